@@ -1,0 +1,682 @@
+//! Everything that speaks AMQP. The only module that imports lapin.
+//!
+//! Architecture invariant: [`settle`] is the one function that acks, rejects or nacks a
+//! delivery, and it takes an [`Outcome`], which only the processor produces after the outcome
+//! is durable. Lapin's `Acker` never leaves this module.
+
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use futures::StreamExt;
+
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+    message::Delivery,
+    options::{
+        BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions,
+        BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+        QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    },
+    types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString},
+};
+use serde_json::{Map, Number, Value};
+
+use crate::{
+    config::{QueueType, Topology},
+    envelope::{AmqpMessage, Envelope},
+    error::BrokerError,
+    processor::Outcome,
+    stats::ConsumerStats,
+};
+
+/// Headers the consumer adds to a parked message. Replay tools read them.
+pub mod parking_headers {
+    /// Inbox status of the row (`PERMANENT_FAILED`, `POISONED`, ...).
+    pub const STATUS: &str = "x-inbox-status";
+    /// Stable error code.
+    pub const ERROR_CODE: &str = "x-inbox-error-code";
+    /// Error message (truncated).
+    pub const ERROR: &str = "x-inbox-error";
+    /// Consumer that parked it.
+    pub const CONSUMER: &str = "x-inbox-consumer";
+    /// Inbox key of the row (a synthetic `invalid:` key for messages without a usable id).
+    pub const INBOX_KEY: &str = "x-inbox-message-id";
+    /// Unix milliseconds when it was parked.
+    pub const PARKED_AT: &str = "x-inbox-parked-at";
+    /// Exchange and routing key it first arrived with, for replay.
+    pub const ORIGINAL_EXCHANGE: &str = "x-inbox-original-exchange";
+    /// See [`ORIGINAL_EXCHANGE`].
+    pub const ORIGINAL_ROUTING_KEY: &str = "x-inbox-original-routing-key";
+}
+
+/// A message to publish (producer side: examples, demos, tests, replays).
+#[derive(Clone, Debug, Default)]
+pub struct OutgoingMessage {
+    /// AMQP `message-id`.
+    pub message_id: Option<String>,
+    /// AMQP `type`.
+    pub kind: Option<String>,
+    /// AMQP `correlation-id`.
+    pub correlation_id: Option<String>,
+    /// Application headers (JSON values are mapped to AMQP field values).
+    pub headers: Map<String, Value>,
+    /// Body.
+    pub body: Vec<u8>,
+}
+
+/// Queue depths of a topology, see [`Broker::queue_depths`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QueueDepths {
+    /// Ready messages in the work queue.
+    pub work: u32,
+    /// Messages waiting in the retry queue.
+    pub retry: u32,
+    /// Messages in the parking lot.
+    pub parking: u32,
+}
+
+/// A connection to RabbitMQ for declaring topology, publishing with confirms and inspecting
+/// queues. The consumer runtime opens its own connections.
+pub struct Broker {
+    connection: Connection,
+    channel: Channel,
+}
+
+impl Broker {
+    /// Connects and opens a channel in publisher-confirm mode.
+    pub async fn connect(amqp_url: &str, connection_name: &str) -> Result<Self, BrokerError> {
+        let connection = connect(amqp_url, connection_name).await?;
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok(Self {
+            connection,
+            channel,
+        })
+    }
+
+    /// Declares the work, retry and parking queues (and the exchange, if any). Idempotent; a
+    /// queue that exists with other arguments is an error (PRECONDITION_FAILED).
+    pub async fn declare(
+        &self,
+        topology: &Topology,
+        retry_delay: Duration,
+    ) -> Result<(), BrokerError> {
+        declare(&self.channel, topology, retry_delay).await
+    }
+
+    /// Publishes and waits for the broker's confirm. Unroutable messages are errors.
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        message: &OutgoingMessage,
+    ) -> Result<(), BrokerError> {
+        let mut properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type("application/json".into())
+            .with_headers(json_to_table(&message.headers));
+        if let Some(id) = &message.message_id {
+            properties = properties.with_message_id(id.as_str().into());
+        }
+        if let Some(kind) = &message.kind {
+            properties = properties.with_type(kind.as_str().into());
+        }
+        if let Some(c) = &message.correlation_id {
+            properties = properties.with_correlation_id(c.as_str().into());
+        }
+        publish_confirmed(
+            &self.channel,
+            exchange,
+            routing_key,
+            &message.body,
+            properties,
+        )
+        .await
+    }
+
+    /// Ready-message counts of the topology's queues.
+    pub async fn queue_depths(&self, topology: &Topology) -> Result<QueueDepths, BrokerError> {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let depth = async |queue: &str| -> Result<u32, BrokerError> {
+            Ok(self
+                .channel
+                .queue_declare(queue.into(), passive, FieldTable::default())
+                .await?
+                .message_count())
+        };
+        Ok(QueueDepths {
+            work: depth(&topology.queue).await?,
+            retry: depth(&topology.retry_queue).await?,
+            parking: depth(&topology.parking_queue).await?,
+        })
+    }
+
+    /// Fetches one message from `queue` and acks it: for tools that drain a queue into a
+    /// report (parking-lot inspection, tests). Returns the message and its headers.
+    pub async fn take_one(&self, queue: &str) -> Result<Option<AmqpMessage>, BrokerError> {
+        let got = self
+            .channel
+            .basic_get(queue.into(), lapin::options::BasicGetOptions::default())
+            .await?;
+        match got {
+            None => Ok(None),
+            Some(get) => {
+                let message = amqp_message(&get.delivery);
+                get.delivery.acker.ack(BasicAckOptions::default()).await?;
+                Ok(Some(message))
+            }
+        }
+    }
+
+    /// Deletes the topology's queues (tests and demos that own them).
+    pub async fn delete(&self, topology: &Topology) -> Result<(), BrokerError> {
+        for q in [
+            &topology.queue,
+            &topology.retry_queue,
+            &topology.parking_queue,
+        ] {
+            self.channel
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await?;
+        }
+        if let Some(exchange) = &topology.exchange {
+            self.channel
+                .exchange_delete(exchange.as_str().into(), Default::default())
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Closes the connection.
+    pub async fn close(self) {
+        let _ = self.connection.close(200, "bye".into()).await;
+    }
+}
+
+async fn connect(amqp_url: &str, name: &str) -> Result<Connection, BrokerError> {
+    let props = ConnectionProperties::default().with_connection_name(name.into());
+    Ok(Connection::connect(amqp_url, props).await?)
+}
+
+fn queue_args(topology: &Topology) -> FieldTable {
+    let mut args = FieldTable::default();
+    if topology.queue_type == QueueType::Quorum {
+        args.insert("x-queue-type".into(), long_string("quorum"));
+    }
+    args
+}
+
+async fn declare(
+    channel: &Channel,
+    topology: &Topology,
+    retry_delay: Duration,
+) -> Result<(), BrokerError> {
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    // Work queue: reject(requeue=false) dead-letters into the retry queue.
+    let mut work = queue_args(topology);
+    work.insert("x-dead-letter-exchange".into(), long_string(""));
+    work.insert(
+        "x-dead-letter-routing-key".into(),
+        long_string(&topology.retry_queue),
+    );
+    channel
+        .queue_declare(topology.queue.as_str().into(), durable, work)
+        .await?;
+    // Retry queue: no consumer; messages expire after the delay and dead-letter back.
+    let mut retry = queue_args(topology);
+    let delay_ms = u32::try_from(retry_delay.as_millis()).unwrap_or(u32::MAX);
+    retry.insert("x-message-ttl".into(), AMQPValue::LongUInt(delay_ms));
+    retry.insert("x-dead-letter-exchange".into(), long_string(""));
+    retry.insert(
+        "x-dead-letter-routing-key".into(),
+        long_string(&topology.queue),
+    );
+    channel
+        .queue_declare(topology.retry_queue.as_str().into(), durable, retry)
+        .await?;
+    channel
+        .queue_declare(
+            topology.parking_queue.as_str().into(),
+            durable,
+            queue_args(topology),
+        )
+        .await?;
+    if let Some(exchange) = &topology.exchange {
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        for key in &topology.binding_keys {
+            channel
+                .queue_bind(
+                    topology.queue.as_str().into(),
+                    exchange.as_str().into(),
+                    key.as_str().into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+async fn publish_confirmed(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    properties: BasicProperties,
+) -> Result<(), BrokerError> {
+    let confirm = channel
+        .basic_publish(
+            exchange.into(),
+            routing_key.into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            body,
+            properties,
+        )
+        .await?
+        .await?;
+    match confirm {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(_)) | Confirmation::Nack(_) | Confirmation::NotRequested => {
+            Err(BrokerError::NotConfirmed(format!(
+                "exchange {exchange:?}, routing key {routing_key:?}"
+            )))
+        }
+    }
+}
+
+/// A delivery waiting for its outcome. Holds the acker; only [`settle`] uses it.
+pub(crate) struct PendingDelivery {
+    delivery: Delivery,
+}
+
+impl PendingDelivery {
+    /// Splits a lapin delivery into its broker handle and a broker-neutral message.
+    pub(crate) fn new(mut delivery: Delivery) -> (Self, AmqpMessage) {
+        let mut message = amqp_message(&delivery);
+        message.body = std::mem::take(&mut delivery.data);
+        (Self { delivery }, message)
+    }
+}
+
+fn amqp_message(delivery: &Delivery) -> AmqpMessage {
+    let p = &delivery.properties;
+    AmqpMessage {
+        message_id: p.message_id().as_ref().map(|s| s.as_str().to_owned()),
+        kind: p.kind().as_ref().map(|s| s.as_str().to_owned()),
+        content_type: p.content_type().as_ref().map(|s| s.as_str().to_owned()),
+        correlation_id: p.correlation_id().as_ref().map(|s| s.as_str().to_owned()),
+        headers: p.headers().as_ref().map(table_to_json).unwrap_or_default(),
+        body: delivery.data.clone(),
+        redelivered: delivery.redelivered,
+    }
+}
+
+/// Where parked messages go: a confirm-mode channel and the parking queue's name.
+#[derive(Clone)]
+pub(crate) struct ParkingLot {
+    channel: Channel,
+    queue: Arc<str>,
+    consumer: Arc<str>,
+}
+
+/// One broker connection of the consumer runtime: a consuming channel with prefetch, and a
+/// confirm-mode channel for parking.
+pub(crate) struct Session {
+    connection: Arc<Connection>,
+    channel: Channel,
+    deliveries: lapin::Consumer,
+    parking: ParkingLot,
+}
+
+/// Whether a broker error is a configuration mismatch that retrying cannot fix (a queue
+/// declared elsewhere with other arguments, a missing permission).
+pub(crate) fn is_fatal(e: &BrokerError) -> bool {
+    match e {
+        BrokerError::Amqp(e) => match e.kind() {
+            lapin::ErrorKind::ProtocolError(amqp) => matches!(
+                amqp.kind(),
+                lapin::protocol::AMQPErrorKind::Soft(
+                    lapin::protocol::AMQPSoftError::PRECONDITIONFAILED
+                        | lapin::protocol::AMQPSoftError::ACCESSREFUSED
+                ) | lapin::protocol::AMQPErrorKind::Hard(
+                    lapin::protocol::AMQPHardError::NOTALLOWED
+                )
+            ),
+            _ => false,
+        },
+        BrokerError::NotConfirmed(_) => false,
+    }
+}
+
+impl Session {
+    pub(crate) async fn open(
+        amqp_url: &str,
+        config: &crate::ConsumerConfig,
+    ) -> Result<Self, BrokerError> {
+        let connection =
+            connect(amqp_url, &format!("rabbit-inbox {}", config.consumer_name)).await?;
+        let channel = connection.create_channel().await?;
+        declare(&channel, &config.topology, config.retry.retry_delay).await?;
+        channel
+            .basic_qos(config.prefetch, BasicQosOptions::default())
+            .await?;
+        let parking_channel = connection.create_channel().await?;
+        parking_channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        let deliveries = channel
+            .basic_consume(
+                config.topology.queue.as_str().into(),
+                ShortString::from(""),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        Ok(Self {
+            connection: Arc::new(connection),
+            channel,
+            deliveries,
+            parking: ParkingLot {
+                channel: parking_channel,
+                queue: config.topology.parking_queue.as_str().into(),
+                consumer: config.consumer_name.as_str().into(),
+            },
+        })
+    }
+
+    /// The next delivery; `None` when the consumer was cancelled by the broker or the
+    /// connection closed.
+    pub(crate) async fn next_delivery(
+        &mut self,
+    ) -> Option<Result<(PendingDelivery, AmqpMessage), BrokerError>> {
+        match self.deliveries.next().await? {
+            Ok(delivery) => Some(Ok(PendingDelivery::new(delivery))),
+            Err(e) => Some(Err(e.into())),
+        }
+    }
+
+    pub(crate) fn parking_lot(&self) -> ParkingLot {
+        self.parking.clone()
+    }
+
+    /// A handle that can drop this session's connection (fault injection).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn connection(&self) -> Arc<Connection> {
+        self.connection.clone()
+    }
+
+    /// Stops new deliveries; deliveries already received can still be settled.
+    pub(crate) async fn cancel(&self) {
+        let tag = self.deliveries.tag();
+        if let Err(e) = self
+            .channel
+            .basic_cancel(tag, lapin::options::BasicCancelOptions::default())
+            .await
+        {
+            tracing::debug!(error = %e, "basic.cancel failed");
+        }
+    }
+
+    /// Closes channels and connection cleanly. Unsettled deliveries return to the queue.
+    pub(crate) async fn close(self) {
+        let _ = self.channel.close(200, "shutdown".into()).await;
+        let _ = self.connection.close(200, "shutdown".into()).await;
+    }
+}
+
+/// A connection handle, for fault injection.
+#[cfg(feature = "fault-injection")]
+pub(crate) type ConnectionHandle = Connection;
+
+/// Closes a session's connection between commit and ack (fault injection).
+#[cfg(feature = "fault-injection")]
+pub(crate) async fn drop_connection(connection: &Connection) {
+    let _ = connection
+        .close(
+            320,
+            "fault injection: connection dropped after commit".into(),
+        )
+        .await;
+}
+
+/// Settles one delivery according to its durable outcome. The only place that acks, rejects
+/// or nacks. Returns whether the broker accepted the settlement; a refused one is logged and
+/// counted here (the broker will redeliver, and the inbox will recognise the message).
+pub(crate) async fn settle(
+    pending: PendingDelivery,
+    outcome: &Outcome,
+    envelope: &Envelope,
+    parking: &ParkingLot,
+    stats: &ConsumerStats,
+) -> bool {
+    let acker = &pending.delivery.acker;
+    let result: Result<bool, BrokerError> = async {
+        match outcome {
+            Outcome::Processed | Outcome::Duplicate => {
+                Ok(acker.ack(BasicAckOptions::default()).await?)
+            }
+            // Dead-letters into the retry queue, which returns it after the delay.
+            Outcome::RetryScheduled { .. } | Outcome::InFlightElsewhere => Ok(acker
+                .reject(BasicRejectOptions { requeue: false })
+                .await?),
+            Outcome::Unrecorded { .. } => Ok(acker
+                .nack(BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                })
+                .await?),
+            Outcome::Parked {
+                status,
+                code,
+                message,
+            } => {
+                let properties = parked_properties(&pending.delivery, envelope, parking, status.as_str(), code, message);
+                match publish_confirmed(&parking.channel, "", &parking.queue, &envelope.body, properties).await {
+                    Ok(()) => Ok(acker.ack(BasicAckOptions::default()).await?),
+                    Err(e) => {
+                        // Not parked: keep the message. It comes back and is parked again.
+                        tracing::warn!(error = %e, message_id = %envelope.message_id, "parking failed; requeueing");
+                        let _ = acker
+                            .nack(BasicNackOptions {
+                                multiple: false,
+                                requeue: true,
+                            })
+                            .await;
+                        Ok(false)
+                    }
+                }
+            }
+        }
+    }
+    .await;
+    match result {
+        Ok(true) => true,
+        Ok(false) | Err(_) => {
+            stats.record_settle_failure();
+            tracing::warn!(
+                message_id = %envelope.message_id,
+                delivery_tag = pending.delivery.delivery_tag,
+                error = ?result.err(),
+                "delivery not settled (channel closed?); the broker will redeliver it"
+            );
+            false
+        }
+    }
+}
+
+fn parked_properties(
+    delivery: &Delivery,
+    envelope: &Envelope,
+    parking: &ParkingLot,
+    status: &str,
+    code: &str,
+    message: &str,
+) -> BasicProperties {
+    let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+    let parked_at = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default();
+    let error: String = message.chars().take(1000).collect();
+    for (k, v) in [
+        (parking_headers::STATUS, long_string(status)),
+        (parking_headers::ERROR_CODE, long_string(code)),
+        (parking_headers::ERROR, long_string(&error)),
+        (parking_headers::CONSUMER, long_string(&parking.consumer)),
+        (
+            parking_headers::INBOX_KEY,
+            long_string(&envelope.message_id),
+        ),
+        (
+            parking_headers::PARKED_AT,
+            AMQPValue::LongLongInt(parked_at),
+        ),
+        (
+            parking_headers::ORIGINAL_EXCHANGE,
+            long_string(delivery.exchange.as_str()),
+        ),
+        (
+            parking_headers::ORIGINAL_ROUTING_KEY,
+            long_string(delivery.routing_key.as_str()),
+        ),
+    ] {
+        headers.insert(k.into(), v);
+    }
+    delivery
+        .properties
+        .clone()
+        .with_headers(headers)
+        .with_delivery_mode(2)
+}
+
+fn long_string(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+}
+
+/// AMQP header table to JSON. Byte arrays become hex strings, decimals numbers, timestamps
+/// Unix seconds; strings that are not UTF-8 are converted lossily.
+pub(crate) fn table_to_json(table: &FieldTable) -> Map<String, Value> {
+    table
+        .inner()
+        .iter()
+        .map(|(k, v)| (k.as_str().to_owned(), value_to_json(v)))
+        .collect()
+}
+
+fn value_to_json(v: &AMQPValue) -> Value {
+    match v {
+        AMQPValue::Boolean(b) => Value::Bool(*b),
+        AMQPValue::ShortShortInt(n) => Value::from(*n),
+        AMQPValue::ShortShortUInt(n) => Value::from(*n),
+        AMQPValue::ShortInt(n) => Value::from(*n),
+        AMQPValue::ShortUInt(n) => Value::from(*n),
+        AMQPValue::LongInt(n) => Value::from(*n),
+        AMQPValue::LongUInt(n) => Value::from(*n),
+        AMQPValue::LongLongInt(n) => Value::from(*n),
+        AMQPValue::Float(f) => Number::from_f64(f64::from(*f)).map_or(Value::Null, Value::Number),
+        AMQPValue::Double(f) => Number::from_f64(*f).map_or(Value::Null, Value::Number),
+        AMQPValue::DecimalValue(d) => {
+            Number::from_f64(f64::from(d.value) / 10f64.powi(i32::from(d.scale)))
+                .map_or(Value::Null, Value::Number)
+        }
+        AMQPValue::ShortString(s) => Value::String(s.as_str().to_owned()),
+        AMQPValue::LongString(s) => {
+            Value::String(String::from_utf8_lossy(s.as_bytes()).into_owned())
+        }
+        AMQPValue::FieldArray(a) => Value::Array(a.as_slice().iter().map(value_to_json).collect()),
+        AMQPValue::Timestamp(t) => Value::from(*t),
+        AMQPValue::FieldTable(t) => Value::Object(table_to_json(t)),
+        AMQPValue::ByteArray(b) => Value::String(hex::encode(b.as_slice())),
+        AMQPValue::Void => Value::Null,
+    }
+}
+
+/// JSON to an AMQP header table (for publishing).
+pub(crate) fn json_to_table(map: &Map<String, Value>) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (k, v) in map {
+        table.insert(ShortString::from(k.as_str()), json_to_value(v));
+    }
+    table
+}
+
+fn json_to_value(v: &Value) -> AMQPValue {
+    match v {
+        Value::Null => AMQPValue::Void,
+        Value::Bool(b) => AMQPValue::Boolean(*b),
+        Value::Number(n) => match (n.as_i64(), n.as_f64()) {
+            (Some(i), _) => AMQPValue::LongLongInt(i),
+            (None, Some(f)) => AMQPValue::Double(f),
+            (None, None) => long_string(&n.to_string()),
+        },
+        Value::String(s) => long_string(s),
+        Value::Array(a) => AMQPValue::FieldArray(FieldArray::from(
+            a.iter().map(json_to_value).collect::<Vec<_>>(),
+        )),
+        Value::Object(o) => AMQPValue::FieldTable(json_to_table(o)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn headers_round_trip_through_amqp_values() {
+        let headers = json!({
+            "s": "text", "i": -3, "f": 1.5, "b": true, "n": null,
+            "a": [1, "two"], "t": {"nested": {"deep": 1}}
+        });
+        let map = headers.as_object().cloned().unwrap_or_default();
+        assert_eq!(table_to_json(&json_to_table(&map)), map);
+    }
+
+    #[test]
+    fn odd_amqp_values_become_json() {
+        let mut t = FieldTable::default();
+        t.insert(
+            "bytes".into(),
+            AMQPValue::ByteArray(vec![0xde, 0xad].into()),
+        );
+        t.insert(
+            "dec".into(),
+            AMQPValue::DecimalValue(lapin::types::DecimalValue {
+                scale: 2,
+                value: 150,
+            }),
+        );
+        t.insert(
+            "bad".into(),
+            AMQPValue::LongString(LongString::from(vec![0xff, b'a'])),
+        );
+        let j = table_to_json(&t);
+        assert_eq!(j["bytes"], "dead");
+        assert_eq!(j["dec"], 1.5);
+        assert_eq!(j["bad"], "\u{fffd}a");
+    }
+}

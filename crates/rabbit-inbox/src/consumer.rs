@@ -1,0 +1,269 @@
+//! The consumer runtime: connect, dispatch deliveries to lanes, batch, process, settle;
+//! reconnect with back-off; drain on shutdown.
+//!
+//! ```text
+//! broker --deliveries--> dispatcher --(lane = hash(aggregate id or key) % lanes)--> lane 0..n
+//! lane: collect up to batch_size for at most max_batch_delay -> Processor::process (one
+//!       transaction) -> broker::settle each delivery by its durable Outcome
+//! ```
+//! Lane channels are bounded and prefetch bounds unacked deliveries, so a slow database slows
+//! consumption instead of growing memory.
+
+use std::{
+    future::Future,
+    hash::{DefaultHasher, Hash, Hasher},
+    sync::Arc,
+    time::Duration,
+};
+
+use sqlx::PgPool;
+use tokio::{sync::mpsc, task::JoinSet, time::Instant};
+
+use crate::{
+    broker::{self, ParkingLot, PendingDelivery, Session},
+    config::ConsumerConfig,
+    envelope::{self, AmqpMessage},
+    error::{ConfigError, ConsumerError},
+    handler::Handler,
+    processor::{Outcome, Parsed, Processor},
+    stats::ConsumerStats,
+};
+
+/// A running consumer of one queue for one handler.
+pub struct Consumer<H> {
+    amqp_url: String,
+    config: ConsumerConfig,
+    processor: Arc<Processor<H>>,
+    stats: Arc<ConsumerStats>,
+    #[cfg(feature = "fault-injection")]
+    faults: Arc<crate::fault::FaultPlan>,
+}
+
+type Work = (PendingDelivery, Parsed);
+
+enum SessionEnd {
+    Shutdown,
+    Lost(String),
+}
+
+impl<H: Handler> Consumer<H> {
+    /// A consumer of `config.topology.queue` on the broker at `amqp_url`, with the inbox (and
+    /// the handler's business tables) in `pool`. Validates the configuration. Run
+    /// [`crate::migrate`] first.
+    pub fn new(
+        amqp_url: impl Into<String>,
+        pool: PgPool,
+        config: ConsumerConfig,
+        handler: H,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(Self {
+            amqp_url: amqp_url.into(),
+            processor: Arc::new(Processor::new(pool, Arc::new(handler), &config)),
+            config,
+            stats: Arc::new(ConsumerStats::default()),
+            #[cfg(feature = "fault-injection")]
+            faults: Arc::default(),
+        })
+    }
+
+    /// Live counters.
+    pub fn stats(&self) -> Arc<ConsumerStats> {
+        self.stats.clone()
+    }
+
+    /// Faults to inject (tests and demos).
+    #[cfg(feature = "fault-injection")]
+    pub fn faults(&self) -> Arc<crate::fault::FaultPlan> {
+        self.faults.clone()
+    }
+
+    /// Consumes until `shutdown` completes, then stops taking deliveries, finishes and settles
+    /// the ones in hand, and closes the connection. Broker or database outages are ridden out
+    /// with reconnects and back-off; only a configuration the broker refuses (e.g. a queue that
+    /// exists with other arguments) ends the run with an error.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ConsumerError> {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut delay = self.config.reconnect_initial_delay;
+        loop {
+            let opened = tokio::select! {
+                biased;
+                () = &mut shutdown => return Ok(()),
+                opened = Session::open(&self.amqp_url, &self.config) => opened,
+            };
+            match opened {
+                Ok(session) => {
+                    delay = self.config.reconnect_initial_delay;
+                    self.stats.record_session();
+                    tracing::info!(queue = %self.config.topology.queue, consumer = %self.config.consumer_name, "consuming");
+                    match self.session(session, &mut shutdown).await {
+                        SessionEnd::Shutdown => return Ok(()),
+                        SessionEnd::Lost(reason) => {
+                            tracing::warn!(%reason, "broker session lost; reconnecting");
+                        }
+                    }
+                }
+                Err(e) if broker::is_fatal(&e) => return Err(e.into()),
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_in = ?delay, "cannot open broker session");
+                }
+            }
+            tokio::select! {
+                biased;
+                () = &mut shutdown => return Ok(()),
+                () = tokio::time::sleep(delay) => {}
+            }
+            delay = (delay * 2).min(self.config.reconnect_max_delay);
+        }
+    }
+
+    async fn session(
+        &self,
+        mut session: Session,
+        shutdown: &mut std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
+    ) -> SessionEnd {
+        let mut lanes = JoinSet::new();
+        let mut senders = Vec::with_capacity(self.config.lanes);
+        for _ in 0..self.config.lanes {
+            // Bounded: when lanes fall behind, the dispatcher waits, and prefetch stops the
+            // broker from pushing more.
+            let (tx, rx) = mpsc::channel::<Work>(self.config.batch_size);
+            senders.push(tx);
+            lanes.spawn(lane(
+                rx,
+                LaneContext {
+                    processor: self.processor.clone(),
+                    parking: session.parking_lot(),
+                    stats: self.stats.clone(),
+                    consumer: self.config.consumer_name.clone(),
+                    batch_size: self.config.batch_size,
+                    max_batch_delay: self.config.max_batch_delay,
+                    backoff: (
+                        self.config.reconnect_initial_delay,
+                        self.config.reconnect_max_delay,
+                    ),
+                    #[cfg(feature = "fault-injection")]
+                    faults: self.faults.clone(),
+                    #[cfg(feature = "fault-injection")]
+                    connection: session.connection(),
+                },
+            ));
+        }
+
+        let end = loop {
+            let next = tokio::select! {
+                biased;
+                () = shutdown.as_mut() => {
+                    session.cancel().await;
+                    break SessionEnd::Shutdown;
+                }
+                next = session.next_delivery() => next,
+            };
+            let (pending, message) = match next {
+                Some(Ok(delivery)) => delivery,
+                Some(Err(e)) => break SessionEnd::Lost(e.to_string()),
+                None => break SessionEnd::Lost("consumer cancelled or connection closed".into()),
+            };
+            self.stats.record_received(1);
+            let parsed = parse(message, &self.config);
+            let lane = lane_of(&parsed, senders.len());
+            if senders[lane].send((pending, parsed)).await.is_err() {
+                break SessionEnd::Lost("a lane stopped".into());
+            }
+        };
+
+        // Drain: lanes finish what they hold and settle it.
+        drop(senders);
+        while let Some(joined) = lanes.join_next().await {
+            if let Err(e) = joined {
+                tracing::error!(error = %e, "lane task failed");
+            }
+        }
+        if matches!(end, SessionEnd::Shutdown) {
+            session.close().await;
+        }
+        end
+    }
+}
+
+fn parse(message: AmqpMessage, config: &ConsumerConfig) -> Parsed {
+    let parsed = envelope::parse(message, &config.envelope);
+    if let Err(invalid) = &parsed {
+        tracing::warn!(
+            code = invalid.reason.code(),
+            detail = %invalid.detail,
+            inbox_key = %invalid.envelope.message_id,
+            "invalid message; it will be recorded and parked"
+        );
+    }
+    parsed
+}
+
+/// Lane of a delivery: one aggregate always maps to the same lane, keeping its order.
+fn lane_of(parsed: &Parsed, lanes: usize) -> usize {
+    let key = match parsed {
+        Ok(e) => e.lane_key(),
+        Err(invalid) => invalid.envelope.lane_key(),
+    };
+    let mut h = DefaultHasher::new();
+    key.hash(&mut h);
+    (h.finish() % lanes as u64) as usize
+}
+
+struct LaneContext<H> {
+    processor: Arc<Processor<H>>,
+    parking: ParkingLot,
+    stats: Arc<ConsumerStats>,
+    consumer: String,
+    batch_size: usize,
+    max_batch_delay: Duration,
+    backoff: (Duration, Duration),
+    #[cfg(feature = "fault-injection")]
+    faults: Arc<crate::fault::FaultPlan>,
+    #[cfg(feature = "fault-injection")]
+    connection: Arc<broker::ConnectionHandle>,
+}
+
+async fn lane<H: Handler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
+    let (initial, max) = ctx.backoff;
+    let mut unrecorded_delay = initial;
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        let deadline = Instant::now() + ctx.max_batch_delay;
+        while batch.len() < ctx.batch_size {
+            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(work)) => batch.push(work),
+                Ok(None) | Err(_) => break,
+            }
+        }
+        let (pendings, parsed): (Vec<PendingDelivery>, Vec<Parsed>) = batch.into_iter().unzip();
+        let outcomes = ctx.processor.process(&parsed).await;
+
+        #[cfg(feature = "fault-injection")]
+        if ctx.faults.should_drop_after_commit(&parsed, &outcomes) {
+            broker::drop_connection(&ctx.connection).await;
+        }
+
+        // Nothing durable was written for these: hold them for a back-off before they go back
+        // to the queue, so an outage does not become a hot redelivery loop.
+        if outcomes
+            .iter()
+            .any(|o| matches!(o, Outcome::Unrecorded { .. }))
+        {
+            tracing::warn!(retry_in = ?unrecorded_delay, "database unavailable; requeueing after back-off");
+            tokio::time::sleep(unrecorded_delay).await;
+            unrecorded_delay = (unrecorded_delay * 2).min(max);
+        } else {
+            unrecorded_delay = initial;
+        }
+
+        for ((pending, item), outcome) in pendings.into_iter().zip(&parsed).zip(&outcomes) {
+            let envelope = match item {
+                Ok(e) => e,
+                Err(invalid) => &invalid.envelope,
+            };
+            ctx.stats.record_outcome(&ctx.consumer, outcome);
+            broker::settle(pending, outcome, envelope, &ctx.parking, &ctx.stats).await;
+        }
+    }
+}

@@ -1,0 +1,58 @@
+//! Error types of the library. Handler errors live in [`crate::handler`].
+
+/// Invalid configuration, reported before anything touches the database or the broker.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The schema name is not a plain lowercase identifier.
+    #[error(
+        "invalid schema name {0:?}: use lowercase letters, digits and '_', starting with a letter or '_', at most 63 bytes, not starting with 'pg_'"
+    )]
+    InvalidSchemaName(String),
+    /// A setting is out of its range.
+    #[error("invalid setting {name}: {reason}")]
+    InvalidSetting {
+        /// The setting's name.
+        name: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// A failure talking to the inbox tables.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// PostgreSQL returned an error or could not be reached.
+    #[error("inbox database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// The embedded migrations could not be applied.
+    #[error("inbox migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A value read back from the inbox does not fit the model (e.g. an unknown status).
+    #[error("inbox row is corrupt: {0}")]
+    Corrupt(String),
+}
+
+/// A failure talking to RabbitMQ.
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    /// The connection or a channel operation failed.
+    #[error("RabbitMQ error: {0}")]
+    Amqp(#[from] lapin::Error),
+    /// The broker negatively confirmed a publish, or returned it as unroutable.
+    #[error("RabbitMQ did not accept the message published to {0}")]
+    NotConfirmed(String),
+}
+
+/// Why a consumer stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ConsumerError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The inbox store failed in a way the consumer cannot recover from.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The broker failed in a way the consumer cannot recover from.
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+}

@@ -1,0 +1,213 @@
+//! What application code implements: a [`Handler`] gets the message and the open transaction's
+//! connection, and says how it went. It has no way to ack; the consumer settles deliveries only
+//! after the outcome is durable.
+
+use std::{borrow::Cow, future::Future};
+
+use serde::de::DeserializeOwned;
+use sha2::{Digest, Sha256};
+use sqlx::PgConnection;
+
+use crate::envelope::Envelope;
+
+/// A message as a handler sees it: the envelope plus the consumer's view of it.
+#[derive(Debug, Clone, Copy)]
+pub struct InboxMessage<'a> {
+    pub(crate) envelope: &'a Envelope,
+    pub(crate) consumer_name: &'a str,
+    pub(crate) attempt: i32,
+}
+
+impl<'a> InboxMessage<'a> {
+    /// The parsed envelope.
+    pub fn envelope(&self) -> &'a Envelope {
+        self.envelope
+    }
+
+    /// The dedup key.
+    pub fn message_id(&self) -> &str {
+        &self.envelope.message_id
+    }
+
+    /// The message type.
+    pub fn message_type(&self) -> &str {
+        &self.envelope.message_type
+    }
+
+    /// 1 on the first attempt, then one more per retry.
+    pub fn attempt(&self) -> i32 {
+        self.attempt
+    }
+
+    /// The consumer processing this message.
+    pub fn consumer_name(&self) -> &str {
+        self.consumer_name
+    }
+
+    /// A stable key for calls to external systems (HTTP `Idempotency-Key` and the like): the
+    /// same for every delivery and retry of this message to this consumer, different across
+    /// consumers. The inbox cannot make an external call atomic with the commit; the external
+    /// system's idempotency can.
+    pub fn idempotency_key(&self) -> String {
+        let mut h = Sha256::new();
+        h.update(self.consumer_name.as_bytes());
+        h.update([0u8]);
+        h.update(self.envelope.message_id.as_bytes());
+        hex::encode(&h.finalize()[..16])
+    }
+
+    /// Deserializes the JSON payload. A mismatch is a permanent error: retrying will not change
+    /// the body.
+    pub fn decode<T: DeserializeOwned>(&self) -> Result<T, HandlerError> {
+        T::deserialize(&self.envelope.payload).map_err(|e| {
+            HandlerError::permanent(
+                "payload_mismatch",
+                format!("payload does not match {}: {e}", std::any::type_name::<T>()),
+            )
+        })
+    }
+}
+
+/// Whether a failed message may succeed later.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// May succeed later (a dependency is down, an entity has not arrived yet): retried through
+    /// the broker's retry queue until the attempt budget is spent, then poisoned.
+    Retryable,
+    /// Will never succeed (invalid contract, business rule violated): parked at once.
+    Permanent,
+}
+
+/// A handler's failure: its kind, a stable code and a message for operators.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct HandlerError {
+    kind: ErrorKind,
+    code: Cow<'static, str>,
+    message: String,
+}
+
+impl HandlerError {
+    /// A failure that may go away on retry.
+    pub fn retryable(code: impl Into<Cow<'static, str>>, message: impl Into<String>) -> Self {
+        Self {
+            kind: ErrorKind::Retryable,
+            code: code.into(),
+            message: message.into(),
+        }
+    }
+
+    /// A failure that retrying cannot fix.
+    pub fn permanent(code: impl Into<Cow<'static, str>>, message: impl Into<String>) -> Self {
+        Self {
+            kind: ErrorKind::Permanent,
+            code: code.into(),
+            message: message.into(),
+        }
+    }
+
+    /// Retryable or permanent.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// Stable code, stored in `last_error_code`.
+    pub fn code(&self) -> &str {
+        &self.code
+    }
+
+    /// Human-readable message, stored (truncated) in `last_error_message`.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+/// Database errors inside a handler: constraint violations are permanent (the same statement
+/// will fail again), everything else (connection loss, lock timeouts, serialization
+/// failures) is retryable.
+impl From<sqlx::Error> for HandlerError {
+    fn from(e: sqlx::Error) -> Self {
+        match &e {
+            sqlx::Error::Database(db)
+                if db
+                    .code()
+                    .is_some_and(|c| c.starts_with("23") || c.starts_with("22")) =>
+            {
+                HandlerError::permanent("db_constraint", db.message().to_owned())
+            }
+            _ => HandlerError::retryable("db_error", e.to_string()),
+        }
+    }
+}
+
+/// Application logic for one consumer.
+///
+/// Business writes go through `tx`, the connection of the transaction that also holds the
+/// inbox row: they commit or roll back together. A handler runs once per message per
+/// transaction attempt; when a batch is retried after another message failed, the rolled-back
+/// work runs again in the new transaction, so handlers must keep their effects inside `tx`
+/// (use [`InboxMessage::idempotency_key`] for anything outside).
+pub trait Handler: Send + Sync + 'static {
+    /// Applies `msg`'s business effect inside the open transaction.
+    fn handle(
+        &self,
+        msg: &InboxMessage<'_>,
+        tx: &mut PgConnection,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::{AmqpMessage, EnvelopeRules, parse};
+
+    fn key(consumer: &str, id: &str) -> String {
+        let envelope = parse(
+            AmqpMessage {
+                message_id: Some(id.into()),
+                body: b"{\"n\":1}".to_vec(),
+                ..AmqpMessage::default()
+            },
+            &EnvelopeRules::default(),
+        )
+        .expect("valid");
+        InboxMessage {
+            envelope: &envelope,
+            consumer_name: consumer,
+            attempt: 1,
+        }
+        .idempotency_key()
+    }
+
+    #[test]
+    fn idempotency_key_is_stable_per_consumer_and_message() {
+        assert_eq!(key("a", "m1"), key("a", "m1"));
+        assert_ne!(key("a", "m1"), key("b", "m1"));
+        assert_ne!(key("a", "m1"), key("a", "m2"));
+    }
+
+    #[test]
+    fn decode_mismatch_is_permanent() {
+        #[derive(Debug, serde::Deserialize)]
+        #[allow(dead_code)]
+        struct Wants {
+            order_id: String,
+        }
+        let envelope = parse(
+            AmqpMessage {
+                message_id: Some("m1".into()),
+                body: b"{\"n\":1}".to_vec(),
+                ..AmqpMessage::default()
+            },
+            &EnvelopeRules::default(),
+        )
+        .expect("valid");
+        let msg = InboxMessage {
+            envelope: &envelope,
+            consumer_name: "a",
+            attempt: 1,
+        };
+        let err = msg.decode::<Wants>().expect_err("mismatch");
+        assert_eq!(err.kind(), ErrorKind::Permanent);
+    }
+}

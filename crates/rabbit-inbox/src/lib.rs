@@ -1,0 +1,69 @@
+//! # rabbit-inbox
+//!
+//! Exactly-once business effects for RabbitMQ consumers. Each delivery's key
+//! `(message_id, consumer_name)` is claimed in a PostgreSQL inbox table inside the same
+//! transaction as the business effect, and the delivery is acked only after that transaction
+//! commits. Duplicates (redeliveries after a crash, republishes, replays) find the committed
+//! row and are acked without running the effect again.
+//!
+//! ```no_run
+//! use rabbit_inbox::{Consumer, ConsumerConfig, Handler, HandlerError, InboxMessage, Topology};
+//! use sqlx::PgConnection;
+//!
+//! struct Greeter;
+//!
+//! impl Handler for Greeter {
+//!     async fn handle(&self, msg: &InboxMessage<'_>, tx: &mut PgConnection) -> Result<(), HandlerError> {
+//!         #[derive(serde::Deserialize)]
+//!         struct Hello { name: String }
+//!         let hello: Hello = msg.decode()?;
+//!         sqlx::query("INSERT INTO greetings (name) VALUES ($1)")
+//!             .bind(&hello.name)
+//!             .execute(&mut *tx)
+//!             .await?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/postgres").await?;
+//! let config = ConsumerConfig::new("greeter", Topology::new("greetings"));
+//! rabbit_inbox::migrate(&pool, &config.schema).await?;
+//! let consumer = Consumer::new("amqp://guest:guest@127.0.0.1:5672/%2f", pool, config, Greeter)?;
+//! consumer.run(async { let _ = tokio::signal::ctrl_c().await; }).await?;
+//! # Ok(()) }
+//! ```
+
+mod broker;
+mod config;
+mod consumer;
+mod dedup;
+mod envelope;
+mod error;
+#[cfg(feature = "fault-injection")]
+mod fault;
+mod handler;
+mod processor;
+mod schema;
+mod stats;
+mod store;
+
+pub use broker::{Broker, OutgoingMessage, QueueDepths, parking_headers};
+pub use config::{ConsumerConfig, PayloadStorage, QueueType, RetryPolicy, Topology};
+pub use consumer::Consumer;
+pub use dedup::{DedupStrategy, MAX_KEY_LEN};
+pub use envelope::{
+    AGGREGATE_ID_HEADER, AGGREGATE_TYPE_HEADER, AmqpMessage, CAUSATION_HEADER, Envelope,
+    EnvelopeRules, InvalidMessage, InvalidReason, TENANT_HEADER, TRACEPARENT_HEADER, TYPE_HEADER,
+    VERSION_HEADER, parse,
+};
+pub use error::{BrokerError, ConfigError, ConsumerError, StoreError};
+#[cfg(feature = "fault-injection")]
+pub use fault::FaultPlan;
+pub use handler::{ErrorKind, Handler, HandlerError, InboxMessage};
+pub use processor::{Outcome, PAYLOAD_CONFLICT};
+pub use schema::{MIGRATOR, SchemaName, drop_schema, migrate};
+pub use stats::{ConsumerStats, StatsSnapshot};
+pub use store::{
+    Claim, Failure, InboxRecord, InboxStatus, InboxStore, MAX_ERROR_MESSAGE_CHARS, Redelivery,
+};

@@ -1,0 +1,681 @@
+//! The inbox ledger in PostgreSQL: claim, find, mark processed or failed, find stale, clean up.
+//!
+//! Public so that a team with its own consumer loop can use the ledger without our runtime.
+//! Every method takes `&mut PgConnection`: pass `&mut *tx` to run it inside the business
+//! transaction (claims and `mark_processed` must be), or a pooled connection for the short
+//! failure-recording transactions.
+
+use std::{fmt, str::FromStr, sync::Arc, time::Duration};
+
+use chrono::{DateTime, Utc};
+use sqlx::{AssertSqlSafe, PgConnection, Row, SqlSafeStr, SqlStr};
+
+use crate::{envelope::Envelope, error::StoreError, schema::SchemaName};
+
+/// Longest error message kept in `last_error_message`, in characters.
+pub const MAX_ERROR_MESSAGE_CHARS: usize = 2000;
+
+/// Status of an inbox row. Each one maps to exactly one broker action, so the ledger and the
+/// broker cannot disagree (see ARCHITECTURE.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum InboxStatus {
+    /// A transaction is working on it (never committed by the consumer runtime; a committed
+    /// PROCESSING row comes from a custom loop or a crash mid-way there).
+    Processing,
+    /// The business effect committed. Broker: ack.
+    Processed,
+    /// Failed, will be retried. Broker: dead-lettered to the delayed retry queue.
+    RetryableFailed,
+    /// Invalid message or business rule violated. Broker: parked.
+    PermanentFailed,
+    /// Retries exhausted. Broker: parked.
+    Poisoned,
+}
+
+impl InboxStatus {
+    /// The value stored in the `status` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InboxStatus::Processing => "PROCESSING",
+            InboxStatus::Processed => "PROCESSED",
+            InboxStatus::RetryableFailed => "RETRYABLE_FAILED",
+            InboxStatus::PermanentFailed => "PERMANENT_FAILED",
+            InboxStatus::Poisoned => "POISONED",
+        }
+    }
+
+    /// Whether the message sits in the parking lot when its row has this status.
+    pub fn is_parked(self) -> bool {
+        matches!(self, InboxStatus::PermanentFailed | InboxStatus::Poisoned)
+    }
+}
+
+impl fmt::Display for InboxStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for InboxStatus {
+    type Err = StoreError;
+    fn from_str(s: &str) -> Result<Self, StoreError> {
+        Ok(match s {
+            "PROCESSING" => InboxStatus::Processing,
+            "PROCESSED" => InboxStatus::Processed,
+            "RETRYABLE_FAILED" => InboxStatus::RetryableFailed,
+            "PERMANENT_FAILED" => InboxStatus::PermanentFailed,
+            "POISONED" => InboxStatus::Poisoned,
+            other => return Err(StoreError::Corrupt(format!("unknown status {other:?}"))),
+        })
+    }
+}
+
+/// One inbox row (without payload and headers, which [`InboxStore::find_payload`] reads).
+#[derive(Clone, Debug, PartialEq)]
+pub struct InboxRecord {
+    /// Dedup key.
+    pub message_id: String,
+    /// Consumer.
+    pub consumer_name: String,
+    /// Message type.
+    pub message_type: String,
+    /// Message version.
+    pub message_version: i32,
+    /// Aggregate type.
+    pub aggregate_type: Option<String>,
+    /// Aggregate id.
+    pub aggregate_id: Option<String>,
+    /// Status.
+    pub status: InboxStatus,
+    /// Attempts made (successful or failed).
+    pub processing_attempt: i32,
+    /// Deliveries seen, duplicates included.
+    pub delivery_count: i32,
+    /// First seen.
+    pub first_received_at: DateTime<Utc>,
+    /// Last seen.
+    pub last_received_at: DateTime<Utc>,
+    /// When the current or last attempt started.
+    pub processing_started_at: Option<DateTime<Utc>>,
+    /// When the effect committed.
+    pub processed_at: Option<DateTime<Utc>>,
+    /// First failure.
+    pub first_failed_at: Option<DateTime<Utc>>,
+    /// Last failure.
+    pub last_failed_at: Option<DateTime<Utc>>,
+    /// SHA-256 of the first body seen under this key.
+    pub payload_sha256: Vec<u8>,
+    /// Redeliveries whose body differed: a producer bug.
+    pub payload_conflicts: i32,
+    /// Last error code.
+    pub last_error_code: Option<String>,
+    /// Last error message (truncated).
+    pub last_error_message: Option<String>,
+}
+
+/// What claiming a message found.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Claim {
+    /// This transaction inserted the row: it owns the first attempt.
+    Claimed,
+    /// A committed row exists; it is locked (`FOR UPDATE`) until this transaction ends.
+    Existing(Box<InboxRecord>),
+}
+
+/// A failure to record, see [`InboxStore::record_failure`].
+#[derive(Clone, Copy, Debug)]
+pub struct Failure<'a> {
+    /// `RetryableFailed` (escalated to `Poisoned` when the budget is spent),
+    /// `PermanentFailed` or `Poisoned`.
+    pub status: InboxStatus,
+    /// Stable error code.
+    pub code: &'a str,
+    /// Error message; truncated to [`MAX_ERROR_MESSAGE_CHARS`].
+    pub message: &'a str,
+    /// Attempt budget: a retryable failure on attempt `max_attempts` becomes `Poisoned`.
+    pub max_attempts: i32,
+    /// Keep the raw body in the row.
+    pub store_payload: bool,
+}
+
+/// How a redelivery of an existing row is noted, see [`InboxStore::note_redeliveries`].
+#[derive(Clone, Debug)]
+pub struct Redelivery<'a> {
+    /// Dedup key.
+    pub message_id: &'a str,
+    /// Hash of the redelivered body when it differs from the recorded one.
+    pub conflicting_sha256: Option<&'a [u8]>,
+}
+
+/// The PostgreSQL inbox of one schema.
+#[derive(Clone, Debug)]
+pub struct InboxStore {
+    schema: SchemaName,
+    sql: Arc<Sql>,
+}
+
+/// Statements, built once per store. The only spliced text is the schema name, which
+/// [`SchemaName`] has validated; values are always bound.
+#[derive(Debug)]
+struct Sql {
+    claim: SqlStr,
+    lock_existing: SqlStr,
+    find: SqlStr,
+    find_payload: SqlStr,
+    reclaim: SqlStr,
+    note_redeliveries: SqlStr,
+    mark_processed: SqlStr,
+    record_failure: SqlStr,
+    find_stale: SqlStr,
+    cleanup: SqlStr,
+}
+
+/// Shared (cheaply cloned) SQL text built from a validated schema name.
+fn audited(sql: String) -> SqlStr {
+    AssertSqlSafe(std::sync::Arc::<str>::from(sql)).into_sql_str()
+}
+
+const RECORD_COLUMNS: &str = "message_id, consumer_name, message_type, message_version, \
+     aggregate_type, aggregate_id, status, processing_attempt, delivery_count, \
+     first_received_at, last_received_at, processing_started_at, processed_at, \
+     first_failed_at, last_failed_at, payload_sha256, payload_conflicts, last_error_code, \
+     last_error_message";
+
+impl Sql {
+    fn new(schema: &SchemaName) -> Self {
+        let t = schema.qualify("message_inbox");
+        Sql {
+            // One multi-row insert claims a whole batch; rows that already exist are
+            // left alone and read (and locked) by `lock_existing`.
+            claim: audited(format!(
+                "INSERT INTO {t} (message_id, consumer_name, message_type, message_version, \
+                   aggregate_type, aggregate_id, status, processing_attempt, \
+                   processing_started_at, payload_sha256, payload, headers, correlation_id, \
+                   causation_id, trace_id, tenant_id) \
+                 SELECT u.id, $1, u.ty, u.ver, u.agg_ty, u.agg_id, 'PROCESSING', 1, now(), \
+                   u.sha, u.body, u.headers, u.corr, u.cause, u.trace, u.tenant \
+                 FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::text[], $6::text[], \
+                   $7::bytea[], $8::bytea[], $9::jsonb[], $10::text[], $11::text[], \
+                   $12::text[], $13::text[]) \
+                   AS u(id, ty, ver, agg_ty, agg_id, sha, body, headers, corr, cause, trace, tenant) \
+                 ON CONFLICT (message_id, consumer_name) DO NOTHING \
+                 RETURNING message_id"
+            )),
+            lock_existing: audited(format!(
+                "SELECT {RECORD_COLUMNS} FROM {t} \
+                 WHERE consumer_name = $1 AND message_id = ANY($2) \
+                 ORDER BY message_id FOR UPDATE"
+            )),
+            find: audited(format!(
+                "SELECT {RECORD_COLUMNS} FROM {t} WHERE consumer_name = $1 AND message_id = $2"
+            )),
+            find_payload: audited(format!(
+                "SELECT payload, headers FROM {t} WHERE consumer_name = $1 AND message_id = $2"
+            )),
+            reclaim: audited(format!(
+                "UPDATE {t} SET status = 'PROCESSING', \
+                   processing_attempt = processing_attempt + 1, \
+                   processing_started_at = now(), last_received_at = now(), \
+                   delivery_count = delivery_count + 1 \
+                 WHERE consumer_name = $1 AND message_id = ANY($2) \
+                   AND status IN ('RETRYABLE_FAILED', 'PROCESSING') \
+                 RETURNING message_id, processing_attempt"
+            )),
+            note_redeliveries: audited(format!(
+                "UPDATE {t} AS i SET last_received_at = now(), \
+                   delivery_count = i.delivery_count + 1, \
+                   payload_conflicts = i.payload_conflicts + (u.sha IS NOT NULL)::int, \
+                   last_conflict_sha256 = coalesce(u.sha, i.last_conflict_sha256), \
+                   last_conflict_at = CASE WHEN u.sha IS NULL THEN i.last_conflict_at ELSE now() END \
+                 FROM UNNEST($2::text[], $3::bytea[]) AS u(id, sha) \
+                 WHERE i.consumer_name = $1 AND i.message_id = u.id"
+            )),
+            mark_processed: audited(format!(
+                "UPDATE {t} SET status = 'PROCESSED', processed_at = now(), \
+                   payload = CASE WHEN $3 THEN payload ELSE NULL END \
+                 WHERE consumer_name = $1 AND message_id = ANY($2)"
+            )),
+            // One statement records every kind of failure. It never overwrites PROCESSED: if
+            // another consumer committed the effect meanwhile, the failure is moot.
+            record_failure: audited(format!(
+                "INSERT INTO {t} AS i (message_id, consumer_name, message_type, message_version, \
+                   aggregate_type, aggregate_id, status, processing_attempt, first_failed_at, \
+                   last_failed_at, payload_sha256, payload, headers, last_error_code, \
+                   last_error_message, correlation_id, causation_id, trace_id, tenant_id) \
+                 VALUES ($1, $2, $3, $4, $5, $6, \
+                   CASE WHEN $7 = 'RETRYABLE_FAILED' AND 1 >= $8 THEN 'POISONED' ELSE $7 END, \
+                   1, now(), now(), $9, $10, $11, $12, $13, $14, $15, $16, $17) \
+                 ON CONFLICT (message_id, consumer_name) DO UPDATE SET \
+                   status = CASE WHEN $7 = 'RETRYABLE_FAILED' \
+                                  AND i.processing_attempt + 1 >= $8 \
+                             THEN 'POISONED' ELSE $7 END, \
+                   processing_attempt = i.processing_attempt + 1, \
+                   first_failed_at = coalesce(i.first_failed_at, now()), \
+                   last_failed_at = now(), \
+                   payload = coalesce(EXCLUDED.payload, i.payload), \
+                   last_error_code = EXCLUDED.last_error_code, \
+                   last_error_message = EXCLUDED.last_error_message \
+                 WHERE i.status <> 'PROCESSED' \
+                 RETURNING status, processing_attempt"
+            )),
+            find_stale: audited(format!(
+                "SELECT {RECORD_COLUMNS} FROM {t} \
+                 WHERE consumer_name = $1 AND status = 'PROCESSING' \
+                   AND processing_started_at < now() - make_interval(secs => $2) \
+                 ORDER BY processing_started_at LIMIT $3"
+            )),
+            cleanup: audited(format!(
+                "DELETE FROM {t} WHERE (message_id, consumer_name) IN ( \
+                   SELECT message_id, consumer_name FROM {t} \
+                   WHERE consumer_name = $1 AND status = 'PROCESSED' \
+                     AND processed_at < now() - make_interval(secs => $2) \
+                   LIMIT $3)"
+            )),
+        }
+    }
+}
+
+fn record_from_row(row: &sqlx::postgres::PgRow) -> Result<InboxRecord, StoreError> {
+    let status: String = row.try_get("status")?;
+    Ok(InboxRecord {
+        message_id: row.try_get("message_id")?,
+        consumer_name: row.try_get("consumer_name")?,
+        message_type: row.try_get("message_type")?,
+        message_version: row.try_get("message_version")?,
+        aggregate_type: row.try_get("aggregate_type")?,
+        aggregate_id: row.try_get("aggregate_id")?,
+        status: status.parse()?,
+        processing_attempt: row.try_get("processing_attempt")?,
+        delivery_count: row.try_get("delivery_count")?,
+        first_received_at: row.try_get("first_received_at")?,
+        last_received_at: row.try_get("last_received_at")?,
+        processing_started_at: row.try_get("processing_started_at")?,
+        processed_at: row.try_get("processed_at")?,
+        first_failed_at: row.try_get("first_failed_at")?,
+        last_failed_at: row.try_get("last_failed_at")?,
+        payload_sha256: row.try_get("payload_sha256")?,
+        payload_conflicts: row.try_get("payload_conflicts")?,
+        last_error_code: row.try_get("last_error_code")?,
+        last_error_message: row.try_get("last_error_message")?,
+    })
+}
+
+/// The trace id part of a W3C `traceparent` (`version-traceid-parentid-flags`).
+fn trace_id(traceparent: Option<&str>) -> Option<String> {
+    traceparent?.split('-').nth(1).map(str::to_owned)
+}
+
+fn truncate(s: &str, max_chars: usize) -> &str {
+    match s.char_indices().nth(max_chars) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+impl InboxStore {
+    /// The inbox in `schema` (see [`crate::migrate`]).
+    pub fn new(schema: SchemaName) -> Self {
+        let sql = Arc::new(Sql::new(&schema));
+        Self { schema, sql }
+    }
+
+    /// The schema.
+    pub fn schema(&self) -> &SchemaName {
+        &self.schema
+    }
+
+    /// Claims one message; see [`InboxStore::try_claim_many`].
+    pub async fn try_claim(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        envelope: &Envelope,
+        store_payload: bool,
+    ) -> Result<Claim, StoreError> {
+        let mut claims = self
+            .try_claim_many(conn, consumer, &[envelope], store_payload)
+            .await?;
+        claims
+            .pop()
+            .ok_or_else(|| StoreError::Corrupt("claim returned nothing".into()))
+    }
+
+    /// Insert-first claim of a batch in the caller's transaction: one multi-row
+    /// `INSERT .. ON CONFLICT DO NOTHING`, then the rows that already existed are read and
+    /// locked. A concurrent claimer of the same key waits on the primary key until this
+    /// transaction ends, so the effect runs once. Returns one [`Claim`] per envelope, in order.
+    ///
+    /// Keys must be distinct. Claims are made in key order, so two consumers claiming
+    /// overlapping batches cannot deadlock on each other.
+    pub async fn try_claim_many(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        envelopes: &[&Envelope],
+        store_payload: bool,
+    ) -> Result<Vec<Claim>, StoreError> {
+        let mut order: Vec<usize> = (0..envelopes.len()).collect();
+        order.sort_by(|&a, &b| envelopes[a].message_id.cmp(&envelopes[b].message_id));
+        let sorted = order.iter().map(|&i| envelopes[i]);
+
+        let inserted: Vec<String> = sqlx::query_scalar(self.sql.claim.clone())
+            .bind(consumer)
+            .bind(
+                sorted
+                    .clone()
+                    .map(|e| e.message_id.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                sorted
+                    .clone()
+                    .map(|e| e.message_type.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                sorted
+                    .clone()
+                    .map(|e| e.message_version)
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                sorted
+                    .clone()
+                    .map(|e| e.aggregate_type.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                sorted
+                    .clone()
+                    .map(|e| e.aggregate_id.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                sorted
+                    .clone()
+                    .map(|e| &e.payload_sha256[..])
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                sorted
+                    .clone()
+                    .map(|e| store_payload.then_some(&e.body[..]))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                sorted
+                    .clone()
+                    .map(|e| serde_json::Value::Object(e.headers.clone()))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                sorted
+                    .clone()
+                    .map(|e| e.correlation_id.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                sorted
+                    .clone()
+                    .map(|e| e.causation_id.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                sorted
+                    .clone()
+                    .map(|e| trace_id(e.traceparent.as_deref()))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(sorted.map(|e| e.tenant_id.as_deref()).collect::<Vec<_>>())
+            .fetch_all(&mut *conn)
+            .await?;
+
+        let inserted: std::collections::HashSet<String> = inserted.into_iter().collect();
+        let existing_ids: Vec<&str> = envelopes
+            .iter()
+            .map(|e| e.message_id.as_str())
+            .filter(|id| !inserted.contains(*id))
+            .collect();
+        let mut existing = Vec::new();
+        if !existing_ids.is_empty() {
+            for row in sqlx::query(self.sql.lock_existing.clone())
+                .bind(consumer)
+                .bind(&existing_ids)
+                .fetch_all(&mut *conn)
+                .await?
+            {
+                existing.push(record_from_row(&row)?);
+            }
+        }
+
+        envelopes
+            .iter()
+            .map(|e| {
+                if inserted.contains(&e.message_id) {
+                    return Ok(Claim::Claimed);
+                }
+                existing
+                    .iter()
+                    .find(|r| r.message_id == e.message_id)
+                    .map(|r| Claim::Existing(Box::new(r.clone())))
+                    // The conflicting row vanished between insert and select (cleanup ran):
+                    // the caller retries the batch in a new transaction.
+                    .ok_or_else(|| {
+                        StoreError::Corrupt(format!(
+                            "row {} conflicted on insert but is gone",
+                            e.message_id
+                        ))
+                    })
+            })
+            .collect()
+    }
+
+    /// Reads one row.
+    pub async fn find(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        message_id: &str,
+    ) -> Result<Option<InboxRecord>, StoreError> {
+        let row = sqlx::query(self.sql.find.clone())
+            .bind(consumer)
+            .bind(message_id)
+            .fetch_optional(conn)
+            .await?;
+        row.as_ref().map(record_from_row).transpose()
+    }
+
+    /// Reads the stored raw body (if kept) and headers of one row.
+    pub async fn find_payload(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        message_id: &str,
+    ) -> Result<Option<(Option<Vec<u8>>, serde_json::Value)>, StoreError> {
+        let row = sqlx::query(self.sql.find_payload.clone())
+            .bind(consumer)
+            .bind(message_id)
+            .fetch_optional(conn)
+            .await?;
+        row.map(|r| Ok((r.try_get("payload")?, r.try_get("headers")?)))
+            .transpose()
+    }
+
+    /// Moves claimed-by-conflict rows (RETRYABLE_FAILED, or stale PROCESSING) back to
+    /// PROCESSING with one more attempt, in the caller's transaction. Returns the ids and their
+    /// attempt numbers.
+    pub async fn mark_processing(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        message_ids: &[&str],
+    ) -> Result<Vec<(String, i32)>, StoreError> {
+        Ok(sqlx::query_as(self.sql.reclaim.clone())
+            .bind(consumer)
+            .bind(message_ids)
+            .fetch_all(conn)
+            .await?)
+    }
+
+    /// Notes redeliveries of existing rows (delivery count, last seen, body conflicts).
+    pub async fn note_redeliveries(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        redeliveries: &[Redelivery<'_>],
+    ) -> Result<(), StoreError> {
+        if redeliveries.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(self.sql.note_redeliveries.clone())
+            .bind(consumer)
+            .bind(
+                redeliveries
+                    .iter()
+                    .map(|r| r.message_id)
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                redeliveries
+                    .iter()
+                    .map(|r| r.conflicting_sha256)
+                    .collect::<Vec<_>>(),
+            )
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Marks rows PROCESSED in the caller's (business) transaction. `keep_payload` false drops
+    /// a body kept from an earlier failure.
+    pub async fn mark_processed(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        message_ids: &[&str],
+        keep_payload: bool,
+    ) -> Result<u64, StoreError> {
+        Ok(sqlx::query(self.sql.mark_processed.clone())
+            .bind(consumer)
+            .bind(message_ids)
+            .bind(keep_payload)
+            .execute(conn)
+            .await?
+            .rows_affected())
+    }
+
+    /// Records a failure in its own short transaction (the business transaction has rolled
+    /// back, taking any claim with it): inserts the row, or adds an attempt to it. Returns the
+    /// recorded status and attempt count, or `None` when the row is PROCESSED (someone else
+    /// committed the effect; the failure is moot and the message is a duplicate).
+    pub async fn record_failure(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        envelope: &Envelope,
+        failure: Failure<'_>,
+    ) -> Result<Option<(InboxStatus, i32)>, StoreError> {
+        let row = sqlx::query(self.sql.record_failure.clone())
+            .bind(&envelope.message_id)
+            .bind(consumer)
+            .bind(&envelope.message_type)
+            .bind(envelope.message_version)
+            .bind(envelope.aggregate_type.as_deref())
+            .bind(envelope.aggregate_id.as_deref())
+            .bind(failure.status.as_str())
+            .bind(failure.max_attempts)
+            .bind(&envelope.payload_sha256[..])
+            .bind(failure.store_payload.then_some(&envelope.body[..]))
+            .bind(serde_json::Value::Object(envelope.headers.clone()))
+            .bind(failure.code)
+            .bind(truncate(failure.message, MAX_ERROR_MESSAGE_CHARS))
+            .bind(envelope.correlation_id.as_deref())
+            .bind(envelope.causation_id.as_deref())
+            .bind(trace_id(envelope.traceparent.as_deref()))
+            .bind(envelope.tenant_id.as_deref())
+            .fetch_optional(conn)
+            .await?;
+        match row {
+            None => Ok(None),
+            Some(row) => {
+                let status: String = row.try_get("status")?;
+                Ok(Some((status.parse()?, row.try_get("processing_attempt")?)))
+            }
+        }
+    }
+
+    /// Rows stuck in PROCESSING for longer than `older_than`, oldest first.
+    pub async fn find_stale_processing(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        older_than: Duration,
+        limit: i64,
+    ) -> Result<Vec<InboxRecord>, StoreError> {
+        sqlx::query(self.sql.find_stale.clone())
+            .bind(consumer)
+            .bind(older_than.as_secs_f64())
+            .bind(limit)
+            .fetch_all(conn)
+            .await?
+            .iter()
+            .map(record_from_row)
+            .collect()
+    }
+
+    /// Deletes up to `limit` PROCESSED rows older than `older_than`; call in a loop until it
+    /// returns 0. Keep `older_than` at least as long as the longest replay window (DLQ replays,
+    /// outbox republishes): a deleted row no longer suppresses a duplicate.
+    pub async fn cleanup_processed_older_than(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        older_than: Duration,
+        limit: i64,
+    ) -> Result<u64, StoreError> {
+        Ok(sqlx::query(self.sql.cleanup.clone())
+            .bind(consumer)
+            .bind(older_than.as_secs_f64())
+            .bind(limit)
+            .execute(conn)
+            .await?
+            .rows_affected())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_round_trips() {
+        for s in [
+            InboxStatus::Processing,
+            InboxStatus::Processed,
+            InboxStatus::RetryableFailed,
+            InboxStatus::PermanentFailed,
+            InboxStatus::Poisoned,
+        ] {
+            assert_eq!(s.as_str().parse::<InboxStatus>().ok(), Some(s));
+        }
+        assert!("DONE".parse::<InboxStatus>().is_err());
+    }
+
+    #[test]
+    fn truncation_respects_char_boundaries() {
+        assert_eq!(truncate("héllo", 2), "hé");
+        assert_eq!(truncate("abc", 10), "abc");
+    }
+
+    #[test]
+    fn trace_id_is_the_second_field() {
+        assert_eq!(
+            trace_id(Some(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+            ))
+            .as_deref(),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+        assert_eq!(trace_id(None), None);
+    }
+}
