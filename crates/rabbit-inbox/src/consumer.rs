@@ -186,6 +186,25 @@ impl<H: Handler> Consumer<H> {
     }
 }
 
+/// Completes on SIGINT (Ctrl-C) or SIGTERM: the usual shutdown future for [`Consumer::run`].
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+                return;
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops"),
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
 fn parse(message: AmqpMessage, config: &ConsumerConfig) -> Parsed {
     let parsed = envelope::parse(message, &config.envelope);
     if let Err(invalid) = &parsed {

@@ -50,7 +50,7 @@ mod store;
 
 pub use broker::{Broker, OutgoingMessage, QueueDepths, parking_headers};
 pub use config::{ConsumerConfig, PayloadStorage, QueueType, RetryPolicy, Topology};
-pub use consumer::Consumer;
+pub use consumer::{Consumer, shutdown_signal};
 pub use dedup::{DedupStrategy, MAX_KEY_LEN};
 pub use envelope::{
     AGGREGATE_ID_HEADER, AGGREGATE_TYPE_HEADER, AmqpMessage, CAUSATION_HEADER, Envelope,

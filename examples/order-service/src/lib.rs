@@ -1,1 +1,144 @@
+//! # order-service: an example rabbit-inbox consumer
+//!
+//! Run with: `cargo run -p order-service` (PostgreSQL and RabbitMQ on their default local
+//! addresses; override with `DATABASE_URL` and `AMQP_URL`).
+//!
+//! Its effects make duplicates visible: a payment applied twice doubles `paid_cents` and leaves
+//! two `payment_history` rows for one message id. See this crate's README for the queue,
+//! message format and tables, so any AMQP client can drive it.
 
+pub mod messages;
+mod tables;
+
+use std::time::Duration;
+
+use rabbit_inbox::{
+    ConsumerConfig, Handler, HandlerError, InboxMessage, RetryPolicy, SchemaName, Topology,
+};
+use serde::Deserialize;
+use sqlx::PgConnection;
+
+pub use tables::{Verification, migrate, verify};
+
+/// Consumer name: the second half of the inbox key.
+pub const CONSUMER_NAME: &str = "order-service";
+/// Exchange producers publish to.
+pub const EXCHANGE: &str = "orders";
+/// The service's work queue.
+pub const QUEUE: &str = "order-service";
+
+/// The service's configuration: queue `order-service` bound to exchange `orders` with `order.#`,
+/// inbox and business tables in `schema`.
+pub fn config(schema: SchemaName, queue: &str, exchange: &str) -> ConsumerConfig {
+    let mut config = ConsumerConfig::new(
+        CONSUMER_NAME,
+        Topology::new(queue).with_exchange(exchange, &["order.#"]),
+    );
+    config.schema = schema;
+    config.retry = RetryPolicy {
+        max_attempts: 5,
+        retry_delay: Duration::from_secs(1),
+        ..RetryPolicy::default()
+    };
+    config
+}
+
+/// The handler. Amounts are integers in minor units (cents).
+pub struct OrderHandler {
+    schema: SchemaName,
+}
+
+impl OrderHandler {
+    /// A handler whose tables live in `schema`.
+    pub fn new(schema: SchemaName) -> Self {
+        Self { schema }
+    }
+}
+
+#[derive(Deserialize)]
+struct OrderPlaced {
+    order_id: String,
+    customer_id: String,
+    total: i64,
+}
+
+#[derive(Deserialize)]
+struct PaymentReceived {
+    order_id: String,
+    amount: i64,
+}
+
+#[derive(Deserialize)]
+struct OrderCancelled {
+    order_id: String,
+}
+
+impl Handler for OrderHandler {
+    async fn handle(
+        &self,
+        msg: &InboxMessage<'_>,
+        tx: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        let t = tables::Tables::new(&self.schema);
+        match msg.message_type() {
+            "OrderPlaced" => {
+                let m: OrderPlaced = msg.decode()?;
+                if m.total < 0 {
+                    return Err(HandlerError::permanent(
+                        "invalid_amount",
+                        "total is negative",
+                    ));
+                }
+                // Another message id for the same order is a logical duplicate: no-op.
+                t.insert_order(tx, &m.order_id, &m.customer_id, m.total, msg.message_id())
+                    .await?;
+                Ok(())
+            }
+            "PaymentReceived" => {
+                let m: PaymentReceived = msg.decode()?;
+                if m.amount <= 0 {
+                    return Err(HandlerError::permanent(
+                        "invalid_amount",
+                        "amount must be positive",
+                    ));
+                }
+                match t
+                    .add_payment(tx, &m.order_id, m.amount, msg.message_id())
+                    .await?
+                {
+                    tables::Transition::Applied => Ok(()),
+                    // It may arrive before its order: retry until the budget runs out.
+                    tables::Transition::NotFound => Err(HandlerError::retryable(
+                        "order_not_found",
+                        format!("order {} does not exist (yet)", m.order_id),
+                    )),
+                    tables::Transition::Refused(status) => Err(HandlerError::permanent(
+                        "invalid_transition",
+                        format!("order {} is {status}; payment refused", m.order_id),
+                    )),
+                }
+            }
+            "OrderCancelled" => {
+                let m: OrderCancelled = msg.decode()?;
+                match t.cancel(tx, &m.order_id).await? {
+                    tables::Transition::Applied => Ok(()),
+                    tables::Transition::NotFound => Err(HandlerError::retryable(
+                        "order_not_found",
+                        format!("order {} does not exist (yet)", m.order_id),
+                    )),
+                    tables::Transition::Refused(status) => Err(HandlerError::permanent(
+                        "invalid_transition",
+                        format!(
+                            "order {} is {status}; only PLACED orders can be cancelled",
+                            m.order_id
+                        ),
+                    )),
+                }
+            }
+            other => Err(HandlerError::permanent(
+                "unknown_message_type",
+                format!("order-service does not handle {other:?}"),
+            )),
+        }
+    }
+}

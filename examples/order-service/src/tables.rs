@@ -1,0 +1,233 @@
+//! The service's business tables and the exactly-once check that reads them.
+
+use rabbit_inbox::SchemaName;
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row, SqlSafeStr, SqlStr};
+
+/// Creates the business tables in `schema` (idempotent). The inbox has its own migrations.
+pub async fn migrate(pool: &PgPool, schema: &SchemaName) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        r#"
+        CREATE SCHEMA IF NOT EXISTS "{schema}";
+        CREATE TABLE IF NOT EXISTS "{schema}".orders (
+            order_id            TEXT PRIMARY KEY,
+            customer_id         TEXT NOT NULL,
+            total_cents         BIGINT NOT NULL CHECK (total_cents >= 0),
+            paid_cents          BIGINT NOT NULL DEFAULT 0,
+            status              TEXT NOT NULL CHECK (status IN ('PLACED', 'PAID', 'CANCELLED')),
+            version             INTEGER NOT NULL DEFAULT 1,
+            placed_by_message   TEXT NOT NULL,
+            updated_at          TIMESTAMPTZ NOT NULL DEFAULT now()
+        );
+        -- Deliberately no unique constraint on message_id: a double-applied payment must be
+        -- visible here, not hidden by an error.
+        CREATE TABLE IF NOT EXISTS "{schema}".payment_history (
+            payment_id   BIGSERIAL PRIMARY KEY,
+            order_id     TEXT NOT NULL REFERENCES "{schema}".orders (order_id),
+            amount_cents BIGINT NOT NULL,
+            message_id   TEXT NOT NULL,
+            applied_at   TIMESTAMPTZ NOT NULL DEFAULT now()
+        );
+        CREATE INDEX IF NOT EXISTS payment_history_message ON "{schema}".payment_history (message_id);
+        "#
+    )))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+pub(crate) enum Transition {
+    Applied,
+    NotFound,
+    Refused(String),
+}
+
+pub(crate) struct Tables {
+    insert_order: SqlStr,
+    pay: SqlStr,
+    history: SqlStr,
+    cancel: SqlStr,
+    status: SqlStr,
+}
+
+impl Tables {
+    pub(crate) fn new(schema: &SchemaName) -> Self {
+        let q = |s: String| AssertSqlSafe(s).into_sql_str();
+        Self {
+            insert_order: q(format!(
+                "INSERT INTO \"{schema}\".orders (order_id, customer_id, total_cents, status, placed_by_message) \
+                 VALUES ($1, $2, $3, 'PLACED', $4) ON CONFLICT (order_id) DO NOTHING"
+            )),
+            // Guarded: a payment only applies to an order that can take it.
+            pay: q(format!(
+                "UPDATE \"{schema}\".orders SET paid_cents = paid_cents + $2, \
+                   status = CASE WHEN paid_cents + $2 >= total_cents THEN 'PAID' ELSE status END, \
+                   version = version + 1, updated_at = now() \
+                 WHERE order_id = $1 AND status = 'PLACED'"
+            )),
+            history: q(format!(
+                "INSERT INTO \"{schema}\".payment_history (order_id, amount_cents, message_id) VALUES ($1, $2, $3)"
+            )),
+            cancel: q(format!(
+                "UPDATE \"{schema}\".orders SET status = 'CANCELLED', version = version + 1, updated_at = now() \
+                 WHERE order_id = $1 AND status = 'PLACED'"
+            )),
+            status: q(format!(
+                "SELECT status FROM \"{schema}\".orders WHERE order_id = $1"
+            )),
+        }
+    }
+
+    pub(crate) async fn insert_order(
+        &self,
+        tx: &mut PgConnection,
+        order_id: &str,
+        customer_id: &str,
+        total: i64,
+        message_id: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(self.insert_order.clone())
+            .bind(order_id)
+            .bind(customer_id)
+            .bind(total)
+            .bind(message_id)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+
+    pub(crate) async fn add_payment(
+        &self,
+        tx: &mut PgConnection,
+        order_id: &str,
+        amount: i64,
+        message_id: &str,
+    ) -> Result<Transition, sqlx::Error> {
+        let updated = sqlx::query(self.pay.clone())
+            .bind(order_id)
+            .bind(amount)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if updated == 0 {
+            return self.refusal(tx, order_id).await;
+        }
+        sqlx::query(self.history.clone())
+            .bind(order_id)
+            .bind(amount)
+            .bind(message_id)
+            .execute(&mut *tx)
+            .await?;
+        Ok(Transition::Applied)
+    }
+
+    pub(crate) async fn cancel(
+        &self,
+        tx: &mut PgConnection,
+        order_id: &str,
+    ) -> Result<Transition, sqlx::Error> {
+        let updated = sqlx::query(self.cancel.clone())
+            .bind(order_id)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if updated == 0 {
+            return self.refusal(tx, order_id).await;
+        }
+        Ok(Transition::Applied)
+    }
+
+    async fn refusal(
+        &self,
+        tx: &mut PgConnection,
+        order_id: &str,
+    ) -> Result<Transition, sqlx::Error> {
+        let status: Option<String> = sqlx::query_scalar(self.status.clone())
+            .bind(order_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        Ok(match status {
+            None => Transition::NotFound,
+            Some(s) => Transition::Refused(s),
+        })
+    }
+}
+
+/// The exactly-once check, counted from the database (not from consumer counters).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Verification {
+    /// Inbox rows of this consumer by status.
+    pub processed: i64,
+    /// RETRYABLE_FAILED rows (waiting for a retry).
+    pub retryable: i64,
+    /// PERMANENT_FAILED + POISONED rows (parked).
+    pub parked: i64,
+    /// PROCESSING rows.
+    pub processing: i64,
+    /// Orders created.
+    pub orders: i64,
+    /// Payment rows.
+    pub payment_rows: i64,
+    /// Message ids with more than one payment row: double-applied payments.
+    pub double_applied: i64,
+    /// Payment rows whose message is not PROCESSED in the inbox: effects without a ledger entry.
+    pub effects_without_ledger: i64,
+    /// PROCESSED payment messages without a payment row: ledger entries without an effect.
+    pub ledger_without_effect: i64,
+    /// Orders whose paid total differs from the sum of their payment rows.
+    pub paid_mismatches: i64,
+}
+
+impl Verification {
+    /// Every effect applied exactly once for every PROCESSED message, and only for those.
+    pub fn exactly_once(&self) -> bool {
+        self.double_applied == 0
+            && self.effects_without_ledger == 0
+            && self.ledger_without_effect == 0
+            && self.paid_mismatches == 0
+    }
+}
+
+/// Checks the service's effects against the inbox in `schema`.
+pub async fn verify(pool: &PgPool, schema: &SchemaName) -> Result<Verification, sqlx::Error> {
+    let sql = format!(
+        r#"
+        WITH inbox AS (SELECT * FROM "{s}".message_inbox WHERE consumer_name = $1)
+        SELECT
+          (SELECT count(*) FROM inbox WHERE status = 'PROCESSED') AS processed,
+          (SELECT count(*) FROM inbox WHERE status = 'RETRYABLE_FAILED') AS retryable,
+          (SELECT count(*) FROM inbox WHERE status IN ('PERMANENT_FAILED', 'POISONED')) AS parked,
+          (SELECT count(*) FROM inbox WHERE status = 'PROCESSING') AS processing,
+          (SELECT count(*) FROM "{s}".orders) AS orders,
+          (SELECT count(*) FROM "{s}".payment_history) AS payment_rows,
+          (SELECT count(*) FROM (SELECT message_id FROM "{s}".payment_history
+             GROUP BY message_id HAVING count(*) > 1) d) AS double_applied,
+          (SELECT count(*) FROM "{s}".payment_history p WHERE NOT EXISTS (
+             SELECT 1 FROM inbox i WHERE i.message_id = p.message_id AND i.status = 'PROCESSED')
+          ) AS effects_without_ledger,
+          (SELECT count(*) FROM inbox i WHERE i.status = 'PROCESSED'
+             AND i.message_type = 'PaymentReceived' AND NOT EXISTS (
+             SELECT 1 FROM "{s}".payment_history p WHERE p.message_id = i.message_id)
+          ) AS ledger_without_effect,
+          (SELECT count(*) FROM "{s}".orders o WHERE o.paid_cents <> coalesce(
+             (SELECT sum(amount_cents) FROM "{s}".payment_history p WHERE p.order_id = o.order_id), 0)
+          ) AS paid_mismatches
+        "#,
+        s = schema
+    );
+    let row = sqlx::query(AssertSqlSafe(sql))
+        .bind(crate::CONSUMER_NAME)
+        .fetch_one(pool)
+        .await?;
+    Ok(Verification {
+        processed: row.try_get("processed")?,
+        retryable: row.try_get("retryable")?,
+        parked: row.try_get("parked")?,
+        processing: row.try_get("processing")?,
+        orders: row.try_get("orders")?,
+        payment_rows: row.try_get("payment_rows")?,
+        double_applied: row.try_get("double_applied")?,
+        effects_without_ledger: row.try_get("effects_without_ledger")?,
+        ledger_without_effect: row.try_get("ledger_without_effect")?,
+        paid_mismatches: row.try_get("paid_mismatches")?,
+    })
+}
