@@ -1,1 +1,196 @@
-fn main() {}
+//! `inboxctl`: operator CLI for rabbit-inbox. Thin glue over the library and the example
+//! service; each subcommand lives in its own module.
+
+mod connect;
+mod demo;
+mod scenario;
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use rabbit_inbox::{Broker, Consumer, SchemaName};
+
+/// Operator CLI for rabbit-inbox: exactly-once RabbitMQ consumers on a PostgreSQL inbox.
+#[derive(Parser)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    #[command(flatten)]
+    servers: Servers,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Where PostgreSQL and RabbitMQ are.
+#[derive(Args, Clone)]
+pub(crate) struct Servers {
+    /// PostgreSQL connection URL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        global = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    pub(crate) database_url: String,
+    /// RabbitMQ connection URL.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        global = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
+    pub(crate) amqp_url: String,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create the inbox schema and tables (and the example service's tables).
+    Migrate {
+        /// PostgreSQL schema for the inbox and the example's tables.
+        #[arg(long, env = "INBOX_SCHEMA", default_value = "order_service")]
+        schema: String,
+    },
+    /// Run the example order-service consumer until SIGINT/SIGTERM, then drain and exit.
+    Consume(ServiceArgs),
+    /// Publish a stream of example messages (with duplicates, out-of-order payments and
+    /// poison messages) to the example service's exchange.
+    Publish {
+        #[command(flatten)]
+        service: ServiceArgs,
+        /// Orders to generate (each with an OrderPlaced and two payments).
+        #[arg(long, default_value_t = 10)]
+        orders: usize,
+        /// Seed for the stream (same seed, same messages and ids).
+        #[arg(long)]
+        seed: Option<u64>,
+    },
+    /// The main job: declare an isolated topology, publish a realistic stream, consume it with
+    /// the example service (including a crash between commit and ack), and check from the
+    /// database that every unique message's effect was applied exactly once.
+    Demo(demo::DemoArgs),
+}
+
+/// Where the example service lives.
+#[derive(Args, Clone)]
+pub(crate) struct ServiceArgs {
+    /// PostgreSQL schema for the inbox and the example's tables.
+    #[arg(long, env = "INBOX_SCHEMA", default_value = "order_service")]
+    pub(crate) schema: String,
+    /// Work queue.
+    #[arg(long, default_value = order_service::QUEUE)]
+    pub(crate) queue: String,
+    /// Exchange producers publish to.
+    #[arg(long, default_value = order_service::EXCHANGE)]
+    pub(crate) exchange: String,
+    /// Deliveries per transaction (1 = one transaction per message).
+    #[arg(long, default_value_t = 50)]
+    pub(crate) batch_size: usize,
+    /// Transactions in flight.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) lanes: usize,
+    /// Unacked deliveries the broker may push.
+    #[arg(long, default_value_t = 200)]
+    pub(crate) prefetch: u16,
+}
+
+impl ServiceArgs {
+    pub(crate) fn config(&self) -> anyhow::Result<rabbit_inbox::ConsumerConfig> {
+        let mut config =
+            order_service::config(SchemaName::new(&self.schema)?, &self.queue, &self.exchange);
+        config.batch_size = self.batch_size;
+        config.lanes = self.lanes;
+        config.prefetch = self.prefetch;
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let servers = cli.servers;
+    match cli.command {
+        Command::Migrate { schema } => {
+            let schema = SchemaName::new(schema)?;
+            let pool = connect::postgres(&servers.database_url).await?;
+            rabbit_inbox::migrate(&pool, &schema).await?;
+            order_service::migrate(&pool, &schema).await?;
+            println!("schema {schema} is up to date");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Consume(args) => {
+            let config = args.config()?;
+            let pool = connect::postgres(&servers.database_url).await?;
+            connect::rabbitmq(&servers.amqp_url).await?.close().await;
+            rabbit_inbox::migrate(&pool, &config.schema).await?;
+            order_service::migrate(&pool, &config.schema).await?;
+            let handler = order_service::OrderHandler::new(config.schema.clone());
+            let consumer = Consumer::new(servers.amqp_url.clone(), pool, config, handler)?;
+            let stats = consumer.stats();
+            eprintln!("consuming {}; Ctrl-C or SIGTERM to stop", args.queue);
+            consumer.run(rabbit_inbox::shutdown_signal()).await?;
+            let s = stats.snapshot();
+            eprintln!(
+                "stopped: received {}, processed {}, duplicates {}, retried {}, parked {}",
+                s.received, s.processed, s.duplicates, s.retried, s.parked
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Publish {
+            service,
+            orders,
+            seed,
+        } => {
+            let config = service.config()?;
+            let broker = connect::rabbitmq(&servers.amqp_url).await?;
+            broker
+                .declare(&config.topology, config.retry.retry_delay)
+                .await
+                .context("declaring the topology")?;
+            let seed = seed.unwrap_or_else(rand::random);
+            let stream = scenario::Scenario::generate(orders, seed);
+            publish_all(&broker, &service.exchange, &stream.messages).await?;
+            println!(
+                "published {} messages ({} unique) for {} orders to exchange {} (seed {seed})",
+                stream.messages.len(),
+                stream.unique_keys,
+                orders,
+                service.exchange
+            );
+            broker.close().await;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo(args) => demo::run(&servers, args).await,
+    }
+}
+
+/// Publishes a generated stream in order, each with a broker confirm.
+pub(crate) async fn publish_all(
+    broker: &Broker,
+    exchange: &str,
+    messages: &[scenario::Published],
+) -> anyhow::Result<()> {
+    for m in messages {
+        broker
+            .publish(exchange, &m.routing_key, &m.message)
+            .await
+            .with_context(|| format!("publishing to exchange {exchange}"))?;
+    }
+    Ok(())
+}

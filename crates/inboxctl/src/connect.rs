@@ -1,0 +1,51 @@
+//! Connecting with errors that say which server, at which address, and how to start it.
+
+use anyhow::anyhow;
+use rabbit_inbox::Broker;
+use sqlx::{PgPool, postgres::PgPoolOptions};
+
+/// Address part of a URL, without credentials.
+fn address(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    rest.rsplit_once('@').map_or(rest, |(_, host)| host)
+}
+
+pub(crate) async fn postgres(url: &str) -> anyhow::Result<PgPool> {
+    PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(std::time::Duration::from_secs(5))
+        .connect(url)
+        .await
+        .map_err(|e| {
+            anyhow!(
+                "cannot reach PostgreSQL at {} ({e}).\n  Start it with: \
+                 pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start\n  \
+                 or point DATABASE_URL at a running server.",
+                address(url)
+            )
+        })
+}
+
+pub(crate) async fn rabbitmq(url: &str) -> anyhow::Result<Broker> {
+    Broker::connect(url, "inboxctl").await.map_err(|e| {
+        anyhow!(
+            "cannot reach RabbitMQ at {} ({e}).\n  Start it with: rabbitmq-server -detached\n  \
+             or point AMQP_URL at a running broker.",
+            address(url)
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::address;
+
+    #[test]
+    fn address_hides_credentials() {
+        assert_eq!(
+            address("amqp://guest:secret@10.0.0.1:5672/%2f"),
+            "10.0.0.1:5672/%2f"
+        );
+        assert_eq!(address("postgres://127.0.0.1:5432/db"), "127.0.0.1:5432/db");
+    }
+}
