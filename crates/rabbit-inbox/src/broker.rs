@@ -316,8 +316,10 @@ pub(crate) struct PendingDelivery {
 impl PendingDelivery {
     /// Splits a lapin delivery into its broker handle and a broker-neutral message.
     pub(crate) fn new(mut delivery: Delivery) -> (Self, AmqpMessage) {
+        // Move the body out first, so it is not copied.
+        let body = std::mem::take(&mut delivery.data);
         let mut message = amqp_message(&delivery);
-        message.body = std::mem::take(&mut delivery.data);
+        message.body = body;
         (Self { delivery }, message)
     }
 }
@@ -464,8 +466,8 @@ pub(crate) async fn drop_connection(connection: &Connection) {
 }
 
 /// Settles one delivery according to its durable outcome. The only place that acks, rejects
-/// or nacks. Returns whether the broker accepted the settlement; a refused one is logged and
-/// counted here (the broker will redeliver, and the inbox will recognise the message).
+/// or nacks. Returns whether the broker accepted the settlement; a refused one is counted here
+/// and reported by the caller (the broker will redeliver it, and the inbox will recognise it).
 pub(crate) async fn settle(
     pending: PendingDelivery,
     outcome: &Outcome,
@@ -517,11 +519,11 @@ pub(crate) async fn settle(
         Ok(true) => true,
         Ok(false) | Err(_) => {
             stats.record_settle_failure();
-            tracing::warn!(
+            tracing::debug!(
                 message_id = %envelope.message_id,
                 delivery_tag = pending.delivery.delivery_tag,
                 error = ?result.err(),
-                "delivery not settled (channel closed?); the broker will redeliver it"
+                "delivery not settled"
             );
             false
         }

@@ -124,6 +124,17 @@ impl<H: Handler> Consumer<H> {
     ) -> SessionEnd {
         let mut lanes = JoinSet::new();
         let mut senders = Vec::with_capacity(self.config.lanes);
+        // An injected connection drop ends the session here: lapin does not always end the
+        // consumer stream after a client-initiated close, which would leave this loop waiting.
+        // (Without the feature this future never completes.)
+        #[cfg(feature = "fault-injection")]
+        let dropped = Arc::new(tokio::sync::Notify::new());
+        let mut dropped_signal = std::pin::pin!(async {
+            #[cfg(feature = "fault-injection")]
+            dropped.notified().await;
+            #[cfg(not(feature = "fault-injection"))]
+            std::future::pending::<()>().await;
+        });
         for _ in 0..self.config.lanes {
             // Bounded: when lanes fall behind, the dispatcher waits, and prefetch stops the
             // broker from pushing more.
@@ -146,6 +157,8 @@ impl<H: Handler> Consumer<H> {
                     faults: self.faults.clone(),
                     #[cfg(feature = "fault-injection")]
                     connection: session.connection(),
+                    #[cfg(feature = "fault-injection")]
+                    dropped: dropped.clone(),
                 },
             ));
         }
@@ -156,6 +169,9 @@ impl<H: Handler> Consumer<H> {
                 () = shutdown.as_mut() => {
                     session.cancel().await;
                     break SessionEnd::Shutdown;
+                }
+                () = &mut dropped_signal => {
+                    break SessionEnd::Lost("fault injection: connection dropped".into());
                 }
                 next = session.next_delivery() => next,
             };
@@ -241,6 +257,8 @@ struct LaneContext<H> {
     faults: Arc<crate::fault::FaultPlan>,
     #[cfg(feature = "fault-injection")]
     connection: Arc<broker::ConnectionHandle>,
+    #[cfg(feature = "fault-injection")]
+    dropped: Arc<tokio::sync::Notify>,
 }
 
 async fn lane<H: Handler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
@@ -261,6 +279,14 @@ async fn lane<H: Handler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
         #[cfg(feature = "fault-injection")]
         if ctx.faults.should_drop_after_commit(&parsed, &outcomes) {
             broker::drop_connection(&ctx.connection).await;
+            // As in a crash, nothing of this batch is settled: the broker redelivers all of
+            // it. (An ack on the closed connection can also wait forever in lapin.)
+            for outcome in &outcomes {
+                ctx.stats.record_outcome(&ctx.consumer, outcome);
+                ctx.stats.record_settle_failure();
+            }
+            ctx.dropped.notify_one();
+            continue;
         }
 
         // Nothing durable was written for these: hold them for a back-off before they go back
@@ -276,13 +302,23 @@ async fn lane<H: Handler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
             unrecorded_delay = initial;
         }
 
+        let mut unsettled = 0usize;
         for ((pending, item), outcome) in pendings.into_iter().zip(&parsed).zip(&outcomes) {
             let envelope = match item {
                 Ok(e) => e,
                 Err(invalid) => &invalid.envelope,
             };
             ctx.stats.record_outcome(&ctx.consumer, outcome);
-            broker::settle(pending, outcome, envelope, &ctx.parking, &ctx.stats).await;
+            if !broker::settle(pending, outcome, envelope, &ctx.parking, &ctx.stats).await {
+                unsettled += 1;
+            }
+        }
+        if unsettled > 0 {
+            tracing::warn!(
+                unsettled,
+                batch = outcomes.len(),
+                "deliveries not settled (channel closed?); the broker will redeliver them and the inbox will recognise them"
+            );
         }
     }
 }

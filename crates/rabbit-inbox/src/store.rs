@@ -215,8 +215,7 @@ impl Sql {
             reclaim: audited(format!(
                 "UPDATE {t} SET status = 'PROCESSING', \
                    processing_attempt = processing_attempt + 1, \
-                   processing_started_at = now(), last_received_at = now(), \
-                   delivery_count = delivery_count + 1 \
+                   processing_started_at = now(), last_received_at = now() \
                  WHERE consumer_name = $1 AND message_id = ANY($2) \
                    AND status IN ('RETRYABLE_FAILED', 'PROCESSING') \
                  RETURNING message_id, processing_attempt"
@@ -250,6 +249,7 @@ impl Sql {
                                   AND i.processing_attempt + 1 >= $8 \
                              THEN 'POISONED' ELSE $7 END, \
                    processing_attempt = i.processing_attempt + 1, \
+                   delivery_count = i.delivery_count + 1, last_received_at = now(), \
                    first_failed_at = coalesce(i.first_failed_at, now()), \
                    last_failed_at = now(), \
                    payload = coalesce(EXCLUDED.payload, i.payload), \
@@ -503,7 +503,7 @@ impl InboxStore {
 
     /// Moves claimed-by-conflict rows (RETRYABLE_FAILED, or stale PROCESSING) back to
     /// PROCESSING with one more attempt, in the caller's transaction. Returns the ids and their
-    /// attempt numbers.
+    /// attempt numbers. The delivery itself is counted by [`InboxStore::note_redeliveries`].
     pub async fn mark_processing(
         &self,
         conn: &mut PgConnection,
