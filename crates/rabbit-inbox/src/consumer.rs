@@ -124,17 +124,9 @@ impl<H: Handler> Consumer<H> {
     ) -> SessionEnd {
         let mut lanes = JoinSet::new();
         let mut senders = Vec::with_capacity(self.config.lanes);
-        // An injected connection drop ends the session here: lapin does not always end the
-        // consumer stream after a client-initiated close, which would leave this loop waiting.
-        // (Without the feature this future never completes.)
-        #[cfg(feature = "fault-injection")]
-        let dropped = Arc::new(tokio::sync::Notify::new());
-        let mut dropped_signal = std::pin::pin!(async {
-            #[cfg(feature = "fault-injection")]
-            dropped.notified().await;
-            #[cfg(not(feature = "fault-injection"))]
-            std::future::pending::<()>().await;
-        });
+        // A lane that cannot settle signals here: the channel is gone, and lapin does not always
+        // end the delivery stream after a close, so the dispatcher must not wait for it.
+        let broken = Arc::new(tokio::sync::Notify::new());
         for _ in 0..self.config.lanes {
             // Bounded: when lanes fall behind, the dispatcher waits, and prefetch stops the
             // broker from pushing more.
@@ -157,8 +149,7 @@ impl<H: Handler> Consumer<H> {
                     faults: self.faults.clone(),
                     #[cfg(feature = "fault-injection")]
                     connection: session.connection(),
-                    #[cfg(feature = "fault-injection")]
-                    dropped: dropped.clone(),
+                    broken: broken.clone(),
                 },
             ));
         }
@@ -170,8 +161,8 @@ impl<H: Handler> Consumer<H> {
                     session.cancel().await;
                     break SessionEnd::Shutdown;
                 }
-                () = &mut dropped_signal => {
-                    break SessionEnd::Lost("fault injection: connection dropped".into());
+                () = broken.notified() => {
+                    break SessionEnd::Lost("deliveries could not be settled".into());
                 }
                 next = session.next_delivery() => next,
             };
@@ -257,9 +248,12 @@ struct LaneContext<H> {
     faults: Arc<crate::fault::FaultPlan>,
     #[cfg(feature = "fault-injection")]
     connection: Arc<broker::ConnectionHandle>,
-    #[cfg(feature = "fault-injection")]
-    dropped: Arc<tokio::sync::Notify>,
+    broken: Arc<tokio::sync::Notify>,
 }
+
+/// Longest wait for one settlement (a parking publish waits for its confirm). Past it the
+/// channel is treated as broken and the session is reopened; the broker redelivers.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(15);
 
 async fn lane<H: Handler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
     let (initial, max) = ctx.backoff;
@@ -276,18 +270,15 @@ async fn lane<H: Handler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
         let (pendings, parsed): (Vec<PendingDelivery>, Vec<Parsed>) = batch.into_iter().unzip();
         let outcomes = ctx.processor.process(&parsed).await;
 
+        // Injected crash between commit and ack: the connection goes, nothing is settled.
         #[cfg(feature = "fault-injection")]
-        if ctx.faults.should_drop_after_commit(&parsed, &outcomes) {
+        let crashed = ctx.faults.should_drop_after_commit(&parsed, &outcomes);
+        #[cfg(feature = "fault-injection")]
+        if crashed {
             broker::drop_connection(&ctx.connection).await;
-            // As in a crash, nothing of this batch is settled: the broker redelivers all of
-            // it. (An ack on the closed connection can also wait forever in lapin.)
-            for outcome in &outcomes {
-                ctx.stats.record_outcome(&ctx.consumer, outcome);
-                ctx.stats.record_settle_failure();
-            }
-            ctx.dropped.notify_one();
-            continue;
         }
+        #[cfg(not(feature = "fault-injection"))]
+        let crashed = false;
 
         // Nothing durable was written for these: hold them for a back-off before they go back
         // to the queue, so an outage does not become a hot redelivery loop.
@@ -309,8 +300,20 @@ async fn lane<H: Handler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
                 Err(invalid) => &invalid.envelope,
             };
             ctx.stats.record_outcome(&ctx.consumer, outcome);
-            if !broker::settle(pending, outcome, envelope, &ctx.parking, &ctx.stats).await {
+            // Once one settlement failed the channel is gone: do not wait on the others.
+            if crashed || unsettled > 0 {
+                ctx.stats.record_settle_failure();
                 unsettled += 1;
+                continue;
+            }
+            let settle = broker::settle(pending, outcome, envelope, &ctx.parking, &ctx.stats);
+            match tokio::time::timeout(SETTLE_TIMEOUT, settle).await {
+                Ok(true) => {}
+                Ok(false) => unsettled += 1,
+                Err(_) => {
+                    ctx.stats.record_settle_failure();
+                    unsettled += 1;
+                }
             }
         }
         if unsettled > 0 {
@@ -319,6 +322,7 @@ async fn lane<H: Handler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
                 batch = outcomes.len(),
                 "deliveries not settled (channel closed?); the broker will redeliver them and the inbox will recognise them"
             );
+            ctx.broken.notify_one();
         }
     }
 }

@@ -1,0 +1,598 @@
+//! Shared helpers of the integration tests. They talk to the real servers: PostgreSQL
+//! (`DATABASE_URL`, default `postgres://postgres@127.0.0.1:5432/postgres`) and RabbitMQ
+//! (`AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`).
+//!
+//! Every test gets a [`TestEnv`]: its own PostgreSQL schema (`t_<random hex>`) holding the inbox
+//! and the test tables, and its own queue names (`t-<random hex>...`). Both are removed when
+//! the environment is dropped, also when the test panics.
+
+use std::{
+    collections::HashMap,
+    hash::{BuildHasher, RandomState},
+    sync::{
+        Arc, Mutex, MutexGuard, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, SystemTime},
+};
+
+use rabbit_inbox::{
+    AmqpMessage, Broker, Consumer, ConsumerConfig, ConsumerError, ConsumerStats, Handler,
+    HandlerError, InboxMessage, InboxRecord, InboxStore, OutgoingMessage, QueueDepths, SchemaName,
+    StatsSnapshot, Topology,
+};
+use serde_json::{Map, Value};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, postgres::PgPoolOptions};
+use tokio::{sync::Notify, task::JoinHandle, time::Instant};
+
+/// How long any wait for a condition may take before the test fails.
+pub(crate) const DEADLINE: Duration = Duration::from_secs(30);
+
+pub(crate) fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+pub(crate) fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// 16 random hex digits (lowercase, so usable in schema names).
+pub(crate) fn random_hex() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let h = RandomState::new().hash_one((n, SystemTime::now(), std::process::id()));
+    format!("{h:016x}")
+}
+
+/// Logs to the test output when `RUST_LOG` is set.
+fn init_tracing() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+    }
+}
+
+/// SHA-256 of `bytes`.
+pub(crate) fn sha256(bytes: &[u8]) -> Vec<u8> {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).to_vec()
+}
+
+/// What [`InboxMessage::idempotency_key`] must return for `consumer` and `message_id`.
+pub(crate) fn expected_idempotency_key(consumer: &str, message_id: &str) -> String {
+    let mut bytes = consumer.as_bytes().to_vec();
+    bytes.push(0);
+    bytes.extend_from_slice(message_id.as_bytes());
+    hex::encode(&sha256(&bytes)[..16])
+}
+
+/// A JSON message with AMQP message id `id` (if any) and type `kind`.
+pub(crate) fn message(id: Option<&str>, kind: &str, body: &Value) -> OutgoingMessage {
+    OutgoingMessage {
+        message_id: id.map(str::to_owned),
+        kind: Some(kind.to_owned()),
+        correlation_id: None,
+        headers: Map::new(),
+        body: body.to_string().into_bytes(),
+    }
+}
+
+/// A `Thing` message `{"id": id, "n": n}`.
+pub(crate) fn thing(id: &str, n: i64) -> OutgoingMessage {
+    message(Some(id), "Thing", &serde_json::json!({ "id": id, "n": n }))
+}
+
+/// A header of a received message as text.
+pub(crate) fn header<'a>(msg: &'a AmqpMessage, name: &str) -> Option<&'a str> {
+    msg.headers.get(name).and_then(Value::as_str)
+}
+
+/// Polls `check` until it returns true; fails the test after [`DEADLINE`].
+pub(crate) async fn wait_for(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {DEADLINE:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Removes a test's schema and queues when dropped, from a thread with its own runtime so
+/// that it also works while a panicking test unwinds.
+struct Cleanup {
+    schema: SchemaName,
+    topologies: Arc<Mutex<Vec<Topology>>>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let schema = self.schema.clone();
+        let topologies = std::mem::take(&mut *lock(&self.topologies));
+        let thread = std::thread::spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("cleanup: cannot build a runtime: {e}");
+                    return;
+                }
+            };
+            runtime.block_on(async {
+                for topology in &topologies {
+                    // A fresh connection per topology: a failed delete closes the channel.
+                    match Broker::connect(&amqp_url(), "rabbit-inbox test cleanup").await {
+                        Ok(broker) => {
+                            if let Err(e) = broker.delete(topology).await {
+                                eprintln!("cleanup: deleting {}: {e}", topology.queue);
+                            }
+                            broker.close().await;
+                        }
+                        Err(e) => eprintln!("cleanup: cannot reach RabbitMQ: {e}"),
+                    }
+                }
+                let options = match database_url().parse::<sqlx::postgres::PgConnectOptions>() {
+                    // Do not hang forever behind a transaction a panicking test left open.
+                    Ok(o) => o.options([("lock_timeout", "20s")]),
+                    Err(e) => {
+                        eprintln!("cleanup: bad DATABASE_URL: {e}");
+                        return;
+                    }
+                };
+                match PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect_with(options)
+                    .await
+                {
+                    Ok(pool) => {
+                        if let Err(e) = rabbit_inbox::drop_schema(&pool, &schema).await {
+                            eprintln!("cleanup: dropping schema {schema}: {e}");
+                        }
+                        pool.close().await;
+                    }
+                    Err(e) => eprintln!("cleanup: cannot reach PostgreSQL: {e}"),
+                }
+            });
+        });
+        let _ = thread.join();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One test's world: a schema with the inbox and the test tables, a broker connection, and
+/// the queues it declared.
+pub(crate) struct TestEnv {
+    pub(crate) pool: PgPool,
+    pub(crate) schema: SchemaName,
+    pub(crate) store: InboxStore,
+    pub(crate) broker: Broker,
+    /// A unique suffix for names.
+    pub(crate) id: String,
+    topologies: Arc<Mutex<Vec<Topology>>>,
+    // Last: runs after the pool and the broker connection are dropped.
+    _cleanup: Cleanup,
+}
+
+impl TestEnv {
+    pub(crate) async fn new() -> Self {
+        init_tracing();
+        let id = random_hex();
+        let schema = SchemaName::new(format!("t_{id}")).expect("valid schema name");
+        let topologies = Arc::new(Mutex::new(Vec::new()));
+        // Armed before anything is created, so a failure below still cleans up.
+        let cleanup = Cleanup {
+            schema: schema.clone(),
+            topologies: topologies.clone(),
+        };
+        let pool = PgPoolOptions::new()
+            .max_connections(12)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect(&database_url())
+            .await
+            .expect("PostgreSQL is reachable");
+        rabbit_inbox::migrate(&pool, &schema)
+            .await
+            .expect("inbox migrations apply");
+        let s = schema.as_str();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            r#"
+            -- One row per applied effect. No unique constraint: a double application shows.
+            CREATE TABLE "{s}".effects (
+                seq           BIGSERIAL PRIMARY KEY,
+                message_id    TEXT NOT NULL,
+                consumer_name TEXT NOT NULL,
+                message_type  TEXT NOT NULL,
+                attempt       INTEGER NOT NULL,
+                body          TEXT NOT NULL,
+                applied_at    TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+            );
+            -- Every handler invocation, written outside the business transaction (like a call
+            -- to an external system), so rolled-back attempts are visible too.
+            CREATE TABLE "{s}".handler_calls (
+                seq             BIGSERIAL PRIMARY KEY,
+                message_id      TEXT NOT NULL,
+                consumer_name   TEXT NOT NULL,
+                attempt         INTEGER NOT NULL,
+                idempotency_key TEXT NOT NULL,
+                death_count     BIGINT NOT NULL,
+                redelivered     BOOLEAN NOT NULL
+            );
+            -- An external system that deduplicates by idempotency key.
+            CREATE TABLE "{s}".external_ledger (
+                idempotency_key TEXT PRIMARY KEY,
+                message_id      TEXT NOT NULL,
+                calls           INTEGER NOT NULL
+            );
+            "#
+        )))
+        .execute(&pool)
+        .await
+        .expect("test tables are created");
+        let broker = Broker::connect(&amqp_url(), &format!("rabbit-inbox test {id}"))
+            .await
+            .expect("RabbitMQ is reachable");
+        Self {
+            store: InboxStore::new(schema.clone()),
+            pool,
+            schema,
+            broker,
+            id,
+            topologies,
+            _cleanup: cleanup,
+        }
+    }
+
+    /// A new topology `t-<id>-<name>` (with `.retry` and `.parking-lot`), deleted at the end.
+    pub(crate) fn topology(&self, name: &str) -> Topology {
+        self.register(Topology::new(format!("t-{}-{name}", self.id)))
+    }
+
+    /// The exchange name `t-<id>-<name>` for [`Topology::with_exchange`].
+    pub(crate) fn exchange_name(&self, name: &str) -> String {
+        format!("t-{}-{name}", self.id)
+    }
+
+    /// Registers a topology for deletion at the end.
+    pub(crate) fn register(&self, topology: Topology) -> Topology {
+        lock(&self.topologies).push(topology.clone());
+        topology
+    }
+
+    /// Test defaults: this schema, fast retries and batching.
+    pub(crate) fn config(&self, consumer_name: &str, topology: Topology) -> ConsumerConfig {
+        let mut config = ConsumerConfig::new(consumer_name, topology);
+        config.schema = self.schema.clone();
+        config.retry.retry_delay = Duration::from_millis(200);
+        config.retry.max_attempts = 5;
+        config.max_batch_delay = Duration::from_millis(10);
+        config.reconnect_initial_delay = Duration::from_millis(100);
+        config.reconnect_max_delay = Duration::from_secs(1);
+        config
+    }
+
+    /// Declares the consumer's queues (as the consumer will), so messages can be published
+    /// before it starts.
+    pub(crate) async fn declare(&self, config: &ConsumerConfig) {
+        self.broker
+            .declare(&config.topology, config.retry.retry_delay)
+            .await
+            .expect("queues are declared");
+    }
+
+    /// Publishes to the work queue directly.
+    pub(crate) async fn publish(&self, topology: &Topology, message: &OutgoingMessage) {
+        self.broker
+            .publish("", &topology.queue, message)
+            .await
+            .expect("publish is confirmed");
+    }
+
+    pub(crate) async fn depths(&self, topology: &Topology) -> QueueDepths {
+        self.broker
+            .queue_depths(topology)
+            .await
+            .expect("queue depths")
+    }
+
+    /// Waits until `n` messages are in the parking lot, then takes them all.
+    pub(crate) async fn take_parked(&self, topology: &Topology, n: u32) -> Vec<AmqpMessage> {
+        wait_for(&format!("{n} parked message(s)"), async || {
+            self.depths(topology).await.parking >= n
+        })
+        .await;
+        let mut parked = Vec::new();
+        while let Some(m) = self
+            .broker
+            .take_one(&topology.parking_queue)
+            .await
+            .expect("basic.get")
+        {
+            parked.push(m);
+        }
+        parked
+    }
+
+    /// A test handler writing to this schema, and its failure plan.
+    pub(crate) fn handler(&self) -> (TestHandler, Arc<Plan>) {
+        let plan = Arc::new(Plan::default());
+        (
+            TestHandler {
+                schema: self.schema.clone(),
+                pool: self.pool.clone(),
+                plan: plan.clone(),
+            },
+            plan,
+        )
+    }
+
+    /// Starts a consumer on this environment's pool.
+    pub(crate) fn start<H: Handler>(&self, config: ConsumerConfig, handler: H) -> Running {
+        self.start_with_pool(self.pool.clone(), config, handler)
+    }
+
+    pub(crate) fn start_with_pool<H: Handler>(
+        &self,
+        pool: PgPool,
+        config: ConsumerConfig,
+        handler: H,
+    ) -> Running {
+        let consumer = Consumer::new(amqp_url(), pool, config, handler).expect("valid config");
+        let stats = consumer.stats();
+        #[cfg(feature = "fault-injection")]
+        let faults = consumer.faults();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(consumer.run(async move {
+            // A dropped sender (a panicking test) stops the consumer too.
+            let _ = stopped.await;
+        }));
+        Running {
+            stop: Some(stop),
+            task: Some(task),
+            stats,
+            #[cfg(feature = "fault-injection")]
+            faults,
+        }
+    }
+
+    /// The inbox row of `message_id` for `consumer`.
+    pub(crate) async fn record(&self, consumer: &str, message_id: &str) -> Option<InboxRecord> {
+        let mut conn = self.pool.acquire().await.expect("connection");
+        self.store
+            .find(&mut conn, consumer, message_id)
+            .await
+            .expect("inbox row readable")
+    }
+
+    /// Waits until the row of `message_id` exists and satisfies `check`, and returns it.
+    pub(crate) async fn wait_for_record(
+        &self,
+        consumer: &str,
+        message_id: &str,
+        what: &str,
+        check: impl Fn(&InboxRecord) -> bool,
+    ) -> InboxRecord {
+        let mut found = None;
+        wait_for(&format!("inbox row {message_id}: {what}"), async || {
+            found = self.record(consumer, message_id).await.filter(|r| check(r));
+            found.is_some()
+        })
+        .await;
+        found.expect("found")
+    }
+
+    /// Runs a scalar query; `{s}` in `sql` stands for the quoted schema.
+    pub(crate) async fn scalar(&self, sql: &str) -> i64 {
+        let sql = sql.replace("{s}", &format!("\"{}\"", self.schema));
+        sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql))
+            .fetch_one(&self.pool)
+            .await
+            .expect("scalar query")
+    }
+
+    /// Effect rows of `message_id` (any consumer).
+    pub(crate) async fn effects(&self, message_id: &str) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM \"{}\".effects WHERE message_id = $1",
+            self.schema
+        )))
+        .bind(message_id)
+        .fetch_one(&self.pool)
+        .await
+        .expect("count effects")
+    }
+
+    /// Handler invocations for `message_id` and `consumer`: (attempt, idempotency key,
+    /// death count), in call order.
+    pub(crate) async fn calls(&self, consumer: &str, message_id: &str) -> Vec<(i32, String, i64)> {
+        sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT attempt, idempotency_key, death_count FROM \"{}\".handler_calls \
+             WHERE consumer_name = $1 AND message_id = $2 ORDER BY seq",
+            self.schema
+        )))
+        .bind(consumer)
+        .bind(message_id)
+        .fetch_all(&self.pool)
+        .await
+        .expect("read handler calls")
+    }
+}
+
+/// A consumer running in a task.
+pub(crate) struct Running {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), ConsumerError>>>,
+    pub(crate) stats: Arc<ConsumerStats>,
+    #[cfg(feature = "fault-injection")]
+    pub(crate) faults: Arc<rabbit_inbox::FaultPlan>,
+}
+
+impl Running {
+    pub(crate) fn snapshot(&self) -> StatsSnapshot {
+        self.stats.snapshot()
+    }
+
+    /// Stops the consumer: it settles what it holds and closes its connection, so anything
+    /// not acked is back in its queue afterwards. Returns the final counters.
+    pub(crate) async fn stop(mut self) -> StatsSnapshot {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            tokio::time::timeout(DEADLINE, task)
+                .await
+                .expect("consumer stops in time")
+                .expect("consumer task did not panic")
+                .expect("consumer ran without a fatal error");
+        }
+        self.stats.snapshot()
+    }
+}
+
+/// How the test handler treats a message.
+#[derive(Clone, Debug)]
+pub(crate) enum Rule {
+    /// Fail retryably, every time.
+    Retryable,
+    /// Fail permanently.
+    Permanent,
+    /// Fail retryably while the attempt number is at most this, then succeed.
+    FailAttempts(i32),
+    /// Signal `entered`, wait for `release`, then fail retryably. Used once.
+    Gate(Arc<Gate>),
+}
+
+/// A rendezvous with a handler call, see [`Rule::Gate`].
+#[derive(Debug, Default)]
+pub(crate) struct Gate {
+    pub(crate) entered: Notify,
+    pub(crate) release: Notify,
+}
+
+/// Failure rules of a [`TestHandler`], changeable while it runs.
+#[derive(Debug, Default)]
+pub(crate) struct Plan {
+    by_id: Mutex<HashMap<String, Rule>>,
+    by_type: Mutex<HashMap<String, Rule>>,
+}
+
+impl Plan {
+    pub(crate) fn for_id(&self, message_id: &str, rule: Rule) {
+        lock(&self.by_id).insert(message_id.to_owned(), rule);
+    }
+
+    pub(crate) fn for_type(&self, message_type: &str, rule: Rule) {
+        lock(&self.by_type).insert(message_type.to_owned(), rule);
+    }
+
+    pub(crate) fn clear_id(&self, message_id: &str) {
+        lock(&self.by_id).remove(message_id);
+    }
+
+    fn rule(&self, msg: &InboxMessage<'_>) -> Option<Rule> {
+        let mut by_id = lock(&self.by_id);
+        let rule = match by_id.get(msg.message_id()) {
+            // A gate holds once.
+            Some(Rule::Gate(_)) => by_id.remove(msg.message_id()),
+            Some(rule) => Some(rule.clone()),
+            None => None,
+        };
+        drop(by_id);
+        rule.or_else(|| lock(&self.by_type).get(msg.message_type()).cloned())
+    }
+}
+
+/// Applies each message by inserting one row into `effects` inside the transaction, after
+/// noting the call in `handler_calls` and `external_ledger` outside it. Fails as its
+/// [`Plan`] says, after the effect row is written, so a failure must roll the effect back.
+#[derive(Clone)]
+pub(crate) struct TestHandler {
+    schema: SchemaName,
+    pool: PgPool,
+    plan: Arc<Plan>,
+}
+
+impl Handler for TestHandler {
+    async fn handle(
+        &self,
+        msg: &InboxMessage<'_>,
+        tx: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        let s = &self.schema;
+        let key = msg.idempotency_key();
+        // The "external call": not part of the transaction.
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO \"{s}\".handler_calls \
+               (message_id, consumer_name, attempt, idempotency_key, death_count, redelivered) \
+             VALUES ($1, $2, $3, $4, $5, $6)"
+        )))
+        .bind(msg.message_id())
+        .bind(msg.consumer_name())
+        .bind(msg.attempt())
+        .bind(&key)
+        .bind(i64::try_from(msg.envelope().death_count).unwrap_or(i64::MAX))
+        .bind(msg.envelope().redelivered)
+        .execute(&self.pool)
+        .await
+        .map_err(|e| HandlerError::retryable("test_external", e.to_string()))?;
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO \"{s}\".external_ledger (idempotency_key, message_id, calls) \
+             VALUES ($1, $2, 1) ON CONFLICT (idempotency_key) \
+             DO UPDATE SET calls = external_ledger.calls + 1"
+        )))
+        .bind(&key)
+        .bind(msg.message_id())
+        .execute(&self.pool)
+        .await
+        .map_err(|e| HandlerError::retryable("test_external", e.to_string()))?;
+
+        // The business effect, in the transaction.
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO \"{s}\".effects (message_id, consumer_name, message_type, attempt, body) \
+             VALUES ($1, $2, $3, $4, $5)"
+        )))
+        .bind(msg.message_id())
+        .bind(msg.consumer_name())
+        .bind(msg.message_type())
+        .bind(msg.attempt())
+        .bind(String::from_utf8_lossy(&msg.envelope().body).into_owned())
+        .execute(&mut *tx)
+        .await?;
+
+        match self.plan.rule(msg) {
+            None => Ok(()),
+            Some(Rule::Retryable) => Err(HandlerError::retryable(
+                "test_retryable",
+                format!("planned retryable failure of {}", msg.message_id()),
+            )),
+            Some(Rule::Permanent) => Err(HandlerError::permanent(
+                "test_permanent",
+                format!("planned permanent failure of {}", msg.message_id()),
+            )),
+            Some(Rule::FailAttempts(n)) if msg.attempt() <= n => Err(HandlerError::retryable(
+                "test_retryable",
+                format!("planned failure of attempt {}", msg.attempt()),
+            )),
+            Some(Rule::FailAttempts(_)) => Ok(()),
+            Some(Rule::Gate(gate)) => {
+                gate.entered.notify_one();
+                gate.release.notified().await;
+                Err(HandlerError::retryable(
+                    "test_gate",
+                    "planned failure after the gate opened",
+                ))
+            }
+        }
+    }
+}
