@@ -64,6 +64,13 @@ enum Command {
         #[arg(long)]
         seed: Option<u64>,
     },
+    /// Check the example service's effects against its inbox: no payment applied twice, none
+    /// without a PROCESSED inbox row, paid totals consistent. Exit code 1 on a violation.
+    Verify {
+        /// PostgreSQL schema for the inbox and the example's tables.
+        #[arg(long, env = "INBOX_SCHEMA", default_value = "order_service")]
+        schema: String,
+    },
     /// The main job: declare an isolated topology, publish a realistic stream, consume it with
     /// the example service (including a crash between commit and ack), and check from the
     /// database that every unique message's effect was applied exactly once.
@@ -175,6 +182,19 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             );
             broker.close().await;
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Verify { schema } => {
+            let schema = SchemaName::new(schema)?;
+            let pool = connect::postgres(&servers.database_url).await?;
+            let v = order_service::verify(&pool, &schema).await?;
+            println!("{v:#?}");
+            if v.exactly_once() {
+                println!("exactly-once: OK");
+                Ok(ExitCode::SUCCESS)
+            } else {
+                println!("exactly-once: VIOLATED");
+                Ok(ExitCode::FAILURE)
+            }
         }
         Command::Demo(args) => demo::run(&servers, args).await,
     }

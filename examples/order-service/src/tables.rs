@@ -28,6 +28,7 @@ pub async fn migrate(pool: &PgPool, schema: &SchemaName) -> Result<(), sqlx::Err
             applied_at   TIMESTAMPTZ NOT NULL DEFAULT now()
         );
         CREATE INDEX IF NOT EXISTS payment_history_message ON "{schema}".payment_history (message_id);
+        CREATE INDEX IF NOT EXISTS payment_history_order ON "{schema}".payment_history (order_id);
         "#
     )))
     .execute(pool)
@@ -208,8 +209,10 @@ pub async fn verify(pool: &PgPool, schema: &SchemaName) -> Result<Verification, 
              AND i.message_type = 'PaymentReceived' AND NOT EXISTS (
              SELECT 1 FROM "{s}".payment_history p WHERE p.message_id = i.message_id)
           ) AS ledger_without_effect,
-          (SELECT count(*) FROM "{s}".orders o WHERE o.paid_cents <> coalesce(
-             (SELECT sum(amount_cents) FROM "{s}".payment_history p WHERE p.order_id = o.order_id), 0)
+          (SELECT count(*) FROM "{s}".orders o
+             LEFT JOIN (SELECT order_id, sum(amount_cents) AS paid FROM "{s}".payment_history
+                        GROUP BY order_id) p USING (order_id)
+             WHERE o.paid_cents <> coalesce(p.paid, 0)
           ) AS paid_mismatches
         "#,
         s = schema
