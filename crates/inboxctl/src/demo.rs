@@ -1,7 +1,7 @@
 //! `inboxctl demo`: the end-to-end run of the example service against the local servers.
 
 use std::{
-    io::Write,
+    io::{IsTerminal, Write},
     process::ExitCode,
     time::{Duration, Instant},
 };
@@ -101,6 +101,9 @@ pub(crate) async fn run(servers: &Servers, args: DemoArgs) -> anyhow::Result<Exi
     let consume_start = Instant::now();
     let mut first_pass: Option<Duration> = None;
     let deadline = consume_start + Duration::from_secs(args.timeout_secs);
+    // Redraw one progress line on a terminal; print one every few seconds into logs.
+    let interactive = std::io::stderr().is_terminal();
+    let mut last_line = Instant::now();
     let settled = loop {
         tokio::time::sleep(Duration::from_millis(250)).await;
         let s = stats.snapshot();
@@ -109,11 +112,17 @@ pub(crate) async fn run(servers: &Servers, args: DemoArgs) -> anyhow::Result<Exi
         }
         let v = order_service::verify(&pool, &schema).await?;
         let depths = broker.queue_depths(&config.topology).await?;
-        eprint!(
-            "\r  consuming: {:>6} deliveries, {:>6} processed, {:>4} retried, {:>3} parked, retry queue {:>3} ",
+        let line = format!(
+            "  consuming: {:>6} deliveries, {:>6} processed, {:>4} retried, {:>3} parked, retry queue {:>3} ",
             s.received, v.processed, s.retried, v.parked, depths.retry
         );
-        let _ = std::io::stderr().flush();
+        if interactive {
+            eprint!("\r{line}");
+            let _ = std::io::stderr().flush();
+        } else if last_line.elapsed() >= Duration::from_secs(2) {
+            eprintln!("{line}");
+            last_line = Instant::now();
+        }
         let all_final = v.processed + v.parked == scenario.unique_keys as i64
             && v.retryable == 0
             && v.processing == 0;
@@ -124,7 +133,9 @@ pub(crate) async fn run(servers: &Servers, args: DemoArgs) -> anyhow::Result<Exi
             break false;
         }
     };
-    eprintln!();
+    if interactive {
+        eprintln!();
+    }
     let total_time = consume_start.elapsed();
     let _ = stop.send(());
     match consuming.await {
