@@ -5,8 +5,9 @@
 //! is durable. Lapin's `Acker` never leaves this module.
 
 use std::{
+    collections::{BTreeMap, BTreeSet},
     sync::Arc,
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use futures::StreamExt;
@@ -311,6 +312,7 @@ async fn publish_confirmed(
 /// A delivery waiting for its outcome. Holds the acker; only [`settle`] uses it.
 pub(crate) struct PendingDelivery {
     delivery: Delivery,
+    received_at: Instant,
 }
 
 impl PendingDelivery {
@@ -320,7 +322,18 @@ impl PendingDelivery {
         let body = std::mem::take(&mut delivery.data);
         let mut message = amqp_message(&delivery);
         message.body = body;
-        (Self { delivery }, message)
+        let received_at = Instant::now();
+        (
+            Self {
+                delivery,
+                received_at,
+            },
+            message,
+        )
+    }
+
+    pub(crate) fn tag(&self) -> u64 {
+        self.delivery.delivery_tag
     }
 }
 
@@ -338,8 +351,7 @@ fn amqp_message(delivery: &Delivery) -> AmqpMessage {
 }
 
 /// Where parked messages go: a confirm-mode channel and the parking queue's name.
-#[derive(Clone)]
-pub(crate) struct ParkingLot {
+struct ParkingLot {
     channel: Channel,
     queue: Arc<str>,
     consumer: Arc<str>,
@@ -351,7 +363,7 @@ pub(crate) struct Session {
     connection: Arc<Connection>,
     channel: Channel,
     deliveries: lapin::Consumer,
-    parking: ParkingLot,
+    settler: Arc<Settler>,
 }
 
 /// Whether a broker error is a configuration mismatch that retrying cannot fix (a queue
@@ -400,13 +412,19 @@ impl Session {
             .await?;
         Ok(Self {
             connection: Arc::new(connection),
-            channel,
+            channel: channel.clone(),
+            settler: Arc::new(Settler {
+                acks: AckTracker {
+                    channel: channel.clone(),
+                    state: tokio::sync::Mutex::default(),
+                },
+                parking: ParkingLot {
+                    channel: parking_channel,
+                    queue: config.topology.parking_queue.as_str().into(),
+                    consumer: config.consumer_name.as_str().into(),
+                },
+            }),
             deliveries,
-            parking: ParkingLot {
-                channel: parking_channel,
-                queue: config.topology.parking_queue.as_str().into(),
-                consumer: config.consumer_name.as_str().into(),
-            },
         })
     }
 
@@ -421,8 +439,8 @@ impl Session {
         }
     }
 
-    pub(crate) fn parking_lot(&self) -> ParkingLot {
-        self.parking.clone()
+    pub(crate) fn settler(&self) -> Arc<Settler> {
+        self.settler.clone()
     }
 
     /// A handle that can drop this session's connection (fault injection).
@@ -465,67 +483,176 @@ pub(crate) async fn drop_connection(connection: &Connection) {
         .await;
 }
 
-/// Settles one delivery according to its durable outcome. The only place that acks, rejects
-/// or nacks. Returns whether the broker accepted the settlement; a refused one is counted here
-/// and reported by the caller (the broker will redeliver it, and the inbox will recognise it).
-pub(crate) async fn settle(
+/// Longest wait for one settlement (a parking publish waits for its confirm). Past it the
+/// channel is treated as broken; the broker redelivers what was not settled.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// What a session needs to settle deliveries: its ack tracker and its parking lot.
+pub(crate) struct Settler {
+    acks: AckTracker,
+    parking: ParkingLot,
+}
+
+/// Acks with `multiple=true`, but only over the contiguous prefix of delivery tags whose
+/// outcome is durable. A multiple-ack settles *every* earlier unsettled tag on the channel, so
+/// while any earlier delivery is still being processed (or its reject/park has not been sent),
+/// the tags after it wait.
+struct AckTracker {
+    channel: Channel,
+    state: tokio::sync::Mutex<AckState>,
+}
+
+#[derive(Default)]
+struct AckState {
+    /// Delivered, outcome not yet settled.
+    pending: BTreeSet<u64>,
+    /// Ready to ack (durable), not yet acked, with their receive instants.
+    ready: BTreeMap<u64, Instant>,
+}
+
+impl AckState {
+    /// Moves `acked` tags to ready; returns the tag a multiple-ack may cover now, if any.
+    fn complete(&mut self, settled: &[u64], acked: &[(u64, Instant)]) -> Option<u64> {
+        for tag in settled {
+            self.pending.remove(tag);
+        }
+        for &(tag, at) in acked {
+            self.pending.remove(&tag);
+            self.ready.insert(tag, at);
+        }
+        let bound = self.pending.first().copied().unwrap_or(u64::MAX);
+        self.ready.range(..bound).next_back().map(|(&tag, _)| tag)
+    }
+
+    /// Removes and returns the ready entries up to `through`.
+    fn take_through(&mut self, through: u64) -> Vec<Instant> {
+        let rest = self.ready.split_off(&(through + 1));
+        std::mem::replace(&mut self.ready, rest)
+            .into_values()
+            .collect()
+    }
+}
+
+impl Settler {
+    /// Registers a delivery as outstanding. Called in delivery order, before processing.
+    pub(crate) async fn register(&self, pending: &PendingDelivery) {
+        self.acks.state.lock().await.pending.insert(pending.tag());
+    }
+
+    /// Settles a processed batch by its durable outcomes; the one function that acks, rejects or
+    /// nacks. Rejects, requeues and parks go first, one by one; the acks then go as one
+    /// multiple-ack over the settled prefix. Returns how many deliveries could not be settled
+    /// (the broker will redeliver them and the inbox will recognise them).
+    pub(crate) async fn settle_batch(
+        &self,
+        batch: Vec<(PendingDelivery, &Outcome, &Envelope)>,
+        stats: &ConsumerStats,
+    ) -> usize {
+        let mut settled = Vec::new();
+        let mut to_ack = Vec::new();
+        let mut unsettled = 0;
+        for (pending, outcome, envelope) in batch {
+            if matches!(outcome, Outcome::Processed | Outcome::Duplicate) {
+                to_ack.push((pending.tag(), pending.received_at));
+                continue;
+            }
+            let tag = pending.tag();
+            let received_at = pending.received_at;
+            let individual = settle_one(pending, outcome, envelope, &self.parking);
+            match tokio::time::timeout(SETTLE_TIMEOUT, individual).await {
+                Ok(Ok(true)) => {
+                    stats.record_latency(received_at.elapsed());
+                    settled.push(tag);
+                }
+                // Left pending on purpose: no later multiple-ack may cover it.
+                result => {
+                    tracing::debug!(delivery_tag = tag, ?result, "delivery not settled");
+                    unsettled += 1;
+                }
+            }
+        }
+        let mut state = self.acks.state.lock().await;
+        if let Some(through) = state.complete(&settled, &to_ack) {
+            let ack = self
+                .acks
+                .channel
+                .basic_ack(through, BasicAckOptions { multiple: true });
+            match tokio::time::timeout(SETTLE_TIMEOUT, ack).await {
+                Ok(Ok(())) => {
+                    for at in state.take_through(through) {
+                        stats.record_latency(at.elapsed());
+                    }
+                }
+                result => {
+                    tracing::debug!(through, ?result, "multiple-ack failed");
+                    unsettled += to_ack.len();
+                }
+            }
+        }
+        for _ in 0..unsettled {
+            stats.record_settle_failure();
+        }
+        unsettled
+    }
+}
+
+/// Rejects, requeues or parks one delivery.
+async fn settle_one(
     pending: PendingDelivery,
     outcome: &Outcome,
     envelope: &Envelope,
     parking: &ParkingLot,
-    stats: &ConsumerStats,
-) -> bool {
+) -> Result<bool, BrokerError> {
     let acker = &pending.delivery.acker;
-    let result: Result<bool, BrokerError> = async {
-        match outcome {
-            Outcome::Processed | Outcome::Duplicate => {
-                Ok(acker.ack(BasicAckOptions::default()).await?)
-            }
-            // Dead-letters into the retry queue, which returns it after the delay.
-            Outcome::RetryScheduled { .. } | Outcome::InFlightElsewhere => Ok(acker
-                .reject(BasicRejectOptions { requeue: false })
-                .await?),
-            Outcome::Unrecorded { .. } => Ok(acker
-                .nack(BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                })
-                .await?),
-            Outcome::Parked {
-                status,
+    match outcome {
+        Outcome::Processed | Outcome::Duplicate => {
+            Ok(acker.ack(BasicAckOptions::default()).await?)
+        }
+        // Dead-letters into the retry queue, which returns it after the delay.
+        Outcome::RetryScheduled { .. } | Outcome::InFlightElsewhere => {
+            Ok(acker.reject(BasicRejectOptions { requeue: false }).await?)
+        }
+        Outcome::Unrecorded { .. } => Ok(acker
+            .nack(BasicNackOptions {
+                multiple: false,
+                requeue: true,
+            })
+            .await?),
+        Outcome::Parked {
+            status,
+            code,
+            message,
+        } => {
+            let properties = parked_properties(
+                &pending.delivery,
+                envelope,
+                parking,
+                status.as_str(),
                 code,
                 message,
-            } => {
-                let properties = parked_properties(&pending.delivery, envelope, parking, status.as_str(), code, message);
-                match publish_confirmed(&parking.channel, "", &parking.queue, &envelope.body, properties).await {
-                    Ok(()) => Ok(acker.ack(BasicAckOptions::default()).await?),
-                    Err(e) => {
-                        // Not parked: keep the message. It comes back and is parked again.
-                        tracing::warn!(error = %e, message_id = %envelope.message_id, "parking failed; requeueing");
-                        let _ = acker
-                            .nack(BasicNackOptions {
-                                multiple: false,
-                                requeue: true,
-                            })
-                            .await;
-                        Ok(false)
-                    }
+            );
+            let published = publish_confirmed(
+                &parking.channel,
+                "",
+                &parking.queue,
+                &envelope.body,
+                properties,
+            )
+            .await;
+            match published {
+                Ok(()) => Ok(acker.ack(BasicAckOptions::default()).await?),
+                Err(e) => {
+                    // Not parked: keep the message. It comes back and is parked again.
+                    tracing::warn!(error = %e, message_id = %envelope.message_id, "parking failed; requeueing");
+                    let _ = acker
+                        .nack(BasicNackOptions {
+                            multiple: false,
+                            requeue: true,
+                        })
+                        .await;
+                    Ok(false)
                 }
             }
-        }
-    }
-    .await;
-    match result {
-        Ok(true) => true,
-        Ok(false) | Err(_) => {
-            stats.record_settle_failure();
-            tracing::debug!(
-                message_id = %envelope.message_id,
-                delivery_tag = pending.delivery.delivery_tag,
-                error = ?result.err(),
-                "delivery not settled"
-            );
-            false
         }
     }
 }
@@ -647,6 +774,33 @@ fn json_to_value(v: &Value) -> AMQPValue {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn multiple_ack_covers_only_the_settled_prefix() {
+        let now = Instant::now();
+        let mut s = AckState::default();
+        s.pending.extend(1..=6);
+        // Batch {4,5,6} finishes first: 1..=3 still pending, nothing may be acked.
+        assert_eq!(s.complete(&[], &[(4, now), (5, now), (6, now)]), None);
+        // 2 is rejected individually, 1 still pending.
+        assert_eq!(s.complete(&[2], &[]), None);
+        // 1 and 3 done: the prefix reaches 6.
+        assert_eq!(s.complete(&[], &[(1, now), (3, now)]), Some(6));
+        assert_eq!(s.take_through(6).len(), 5);
+        assert!(s.ready.is_empty());
+    }
+
+    #[test]
+    fn a_pending_tag_stops_the_prefix_below_it() {
+        let now = Instant::now();
+        let mut s = AckState::default();
+        s.pending.extend(1..=5);
+        assert_eq!(s.complete(&[], &[(1, now), (2, now), (4, now)]), Some(2));
+        assert_eq!(s.take_through(2).len(), 2);
+        assert_eq!(s.ready.keys().copied().collect::<Vec<_>>(), vec![4]);
+        assert_eq!(s.complete(&[], &[(5, now)]), None);
+        assert_eq!(s.complete(&[3], &[]), Some(5));
+    }
 
     #[test]
     fn headers_round_trip_through_amqp_values() {

@@ -20,11 +20,11 @@ use sqlx::PgPool;
 use tokio::{sync::mpsc, task::JoinSet, time::Instant};
 
 use crate::{
-    broker::{self, ParkingLot, PendingDelivery, Session},
+    broker::{self, PendingDelivery, Session, Settler},
     config::ConsumerConfig,
     envelope::{self, AmqpMessage},
     error::{ConfigError, ConsumerError},
-    handler::Handler,
+    handler::{BatchHandler, Handler, PerMessage},
     processor::{Outcome, Parsed, Processor},
     stats::ConsumerStats,
 };
@@ -46,11 +46,24 @@ enum SessionEnd {
     Lost(String),
 }
 
-impl<H: Handler> Consumer<H> {
+impl<H: Handler> Consumer<PerMessage<H>> {
     /// A consumer of `config.topology.queue` on the broker at `amqp_url`, with the inbox (and
-    /// the handler's business tables) in `pool`. Validates the configuration. Run
-    /// [`crate::migrate`] first.
+    /// the handler's business tables) in `pool`, running `handler` once per message. Validates
+    /// the configuration. Run [`crate::migrate`] first.
     pub fn new(
+        amqp_url: impl Into<String>,
+        pool: PgPool,
+        config: ConsumerConfig,
+        handler: H,
+    ) -> Result<Self, ConfigError> {
+        Consumer::with_batch_handler(amqp_url, pool, config, PerMessage(handler))
+    }
+}
+
+impl<H: BatchHandler> Consumer<H> {
+    /// Like [`Consumer::new`], with a handler that gets each batch's new messages at once, for
+    /// set-based business writes.
+    pub fn with_batch_handler(
         amqp_url: impl Into<String>,
         pool: PgPool,
         config: ConsumerConfig,
@@ -136,7 +149,7 @@ impl<H: Handler> Consumer<H> {
                 rx,
                 LaneContext {
                     processor: self.processor.clone(),
-                    parking: session.parking_lot(),
+                    settler: session.settler(),
                     stats: self.stats.clone(),
                     consumer: self.config.consumer_name.clone(),
                     batch_size: self.config.batch_size,
@@ -154,6 +167,7 @@ impl<H: Handler> Consumer<H> {
             ));
         }
 
+        let settler = session.settler();
         let end = loop {
             let next = tokio::select! {
                 biased;
@@ -172,6 +186,7 @@ impl<H: Handler> Consumer<H> {
                 None => break SessionEnd::Lost("consumer cancelled or connection closed".into()),
             };
             self.stats.record_received(1);
+            settler.register(&pending).await;
             let parsed = parse(message, &self.config);
             let lane = lane_of(&parsed, senders.len());
             if senders[lane].send((pending, parsed)).await.is_err() {
@@ -238,7 +253,7 @@ fn lane_of(parsed: &Parsed, lanes: usize) -> usize {
 
 struct LaneContext<H> {
     processor: Arc<Processor<H>>,
-    parking: ParkingLot,
+    settler: Arc<Settler>,
     stats: Arc<ConsumerStats>,
     consumer: String,
     batch_size: usize,
@@ -251,11 +266,7 @@ struct LaneContext<H> {
     broken: Arc<tokio::sync::Notify>,
 }
 
-/// Longest wait for one settlement (a parking publish waits for its confirm). Past it the
-/// channel is treated as broken and the session is reopened; the broker redelivers.
-const SETTLE_TIMEOUT: Duration = Duration::from_secs(15);
-
-async fn lane<H: Handler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
+async fn lane<H: BatchHandler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
     let (initial, max) = ctx.backoff;
     let mut unrecorded_delay = initial;
     while let Some(first) = rx.recv().await {
@@ -293,29 +304,30 @@ async fn lane<H: Handler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
             unrecorded_delay = initial;
         }
 
-        let mut unsettled = 0usize;
-        for ((pending, item), outcome) in pendings.into_iter().zip(&parsed).zip(&outcomes) {
-            let envelope = match item {
-                Ok(e) => e,
-                Err(invalid) => &invalid.envelope,
-            };
+        for outcome in &outcomes {
             ctx.stats.record_outcome(&ctx.consumer, outcome);
-            // Once one settlement failed the channel is gone: do not wait on the others.
-            if crashed || unsettled > 0 {
-                ctx.stats.record_settle_failure();
-                unsettled += 1;
-                continue;
-            }
-            let settle = broker::settle(pending, outcome, envelope, &ctx.parking, &ctx.stats);
-            match tokio::time::timeout(SETTLE_TIMEOUT, settle).await {
-                Ok(true) => {}
-                Ok(false) => unsettled += 1,
-                Err(_) => {
-                    ctx.stats.record_settle_failure();
-                    unsettled += 1;
-                }
-            }
         }
+        let unsettled = if crashed {
+            // Nothing of this batch is settled, as in a crash.
+            for _ in &outcomes {
+                ctx.stats.record_settle_failure();
+            }
+            outcomes.len()
+        } else {
+            let batch = pendings
+                .into_iter()
+                .zip(&outcomes)
+                .zip(&parsed)
+                .map(|((pending, outcome), item)| {
+                    let envelope = match item {
+                        Ok(e) => e,
+                        Err(invalid) => &invalid.envelope,
+                    };
+                    (pending, outcome, envelope)
+                })
+                .collect();
+            ctx.settler.settle_batch(batch, &ctx.stats).await
+        };
         if unsettled > 0 {
             tracing::warn!(
                 unsettled,

@@ -156,6 +156,60 @@ pub trait Handler: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 }
 
+/// A batch handler's failure.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum BatchError {
+    /// The message at `index` (into the slice the handler got) failed. The batch is rolled
+    /// back and run again without it; it is recorded as failed.
+    #[error("message {index} of the batch failed: {error}")]
+    Message {
+        /// Index into the handler's slice.
+        index: usize,
+        /// The failure.
+        error: HandlerError,
+    },
+    /// The batch failed and the handler cannot say which message caused it. The messages are
+    /// run again one per call to find out.
+    #[error("batch failed: {0}")]
+    Batch(HandlerError),
+}
+
+/// Application logic that handles a whole batch at once, so business writes can be set-based
+/// (one `INSERT .. SELECT FROM UNNEST(..)` for the batch). Same guarantees as [`Handler`]: the
+/// writes go through `tx`, which also holds the batch's inbox rows.
+///
+/// `msgs` holds only messages whose effect is due (duplicates are already filtered out), in
+/// delivery order. After a failure the batch runs again without the failing message, so keep
+/// effects inside `tx`.
+pub trait BatchHandler: Send + Sync + 'static {
+    /// Applies the effects of `msgs` inside the open transaction.
+    fn handle_batch(
+        &self,
+        msgs: &[InboxMessage<'_>],
+        tx: &mut PgConnection,
+    ) -> impl Future<Output = Result<(), BatchError>> + Send;
+}
+
+/// Runs a per-message [`Handler`] over a batch, one message after the other, in one
+/// transaction.
+#[derive(Debug)]
+pub struct PerMessage<H>(pub H);
+
+impl<H: Handler> BatchHandler for PerMessage<H> {
+    async fn handle_batch(
+        &self,
+        msgs: &[InboxMessage<'_>],
+        tx: &mut PgConnection,
+    ) -> Result<(), BatchError> {
+        for (index, msg) in msgs.iter().enumerate() {
+            if let Err(error) = self.0.handle(msg, tx).await {
+                return Err(BatchError::Message { index, error });
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

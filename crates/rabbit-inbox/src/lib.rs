@@ -60,7 +60,9 @@ pub use envelope::{
 pub use error::{BrokerError, ConfigError, ConsumerError, StoreError};
 #[cfg(feature = "fault-injection")]
 pub use fault::FaultPlan;
-pub use handler::{ErrorKind, Handler, HandlerError, InboxMessage};
+pub use handler::{
+    BatchError, BatchHandler, ErrorKind, Handler, HandlerError, InboxMessage, PerMessage,
+};
 pub use processor::{Outcome, PAYLOAD_CONFLICT};
 pub use schema::{MIGRATOR, SchemaName, drop_schema, migrate};
 pub use stats::{ConsumerStats, StatsSnapshot};

@@ -14,7 +14,7 @@ use crate::{
     config::{ConsumerConfig, PayloadStorage, RetryPolicy},
     envelope::{Envelope, InvalidMessage},
     error::StoreError,
-    handler::{ErrorKind, Handler, HandlerError, InboxMessage},
+    handler::{BatchError, BatchHandler, ErrorKind, HandlerError, InboxMessage},
     store::{Claim, Failure, InboxStatus, InboxStore, Redelivery},
 };
 
@@ -74,6 +74,8 @@ pub(crate) struct Processor<H> {
 enum TxError {
     /// The handler failed for the message at this index: re-run without it.
     Handler(usize, HandlerError),
+    /// A batch handler failed without saying for which message: isolate them.
+    Unattributed(HandlerError),
     /// Deadlock, serialization failure or a row that vanished mid-claim: run again.
     Transient(StoreError),
     /// The database failed; nothing was committed (or the commit outcome is unknown).
@@ -106,7 +108,7 @@ impl From<sqlx::Error> for TxError {
 /// Transaction attempts for deadlocks and the like before giving up on a batch.
 const MAX_TRANSIENT_RETRIES: u32 = 3;
 
-impl<H: Handler> Processor<H> {
+impl<H: BatchHandler> Processor<H> {
     pub(crate) fn new(pool: PgPool, handler: Arc<H>, config: &ConsumerConfig) -> Self {
         Self {
             pool,
@@ -185,6 +187,15 @@ impl<H: Handler> Processor<H> {
                 Err(TxError::Handler(i, e)) => {
                     active.retain(|&a| a != i);
                     failed.push((i, e));
+                }
+                Err(TxError::Unattributed(e)) if active.len() > 1 => {
+                    tracing::debug!(error = %e, "batch failed without a culprit; isolating its messages");
+                    for i in std::mem::take(&mut active) {
+                        Box::pin(self.run_round(items, vec![i], outcomes)).await;
+                    }
+                }
+                Err(TxError::Unattributed(e)) => {
+                    failed.extend(active.drain(..).map(|i| (i, e.clone())));
                 }
                 Err(TxError::Transient(e)) if transient_retries < MAX_TRANSIENT_RETRIES => {
                     transient_retries += 1;
@@ -358,14 +369,29 @@ impl<H: Handler> Processor<H> {
             )
             .await?;
         }
-        for &(i, attempt) in &run {
-            let msg = InboxMessage {
-                envelope: envelope_of(items, i),
-                consumer_name: &self.consumer,
-                attempt,
-            };
-            if let Err(e) = self.handler.handle(&msg, &mut tx).await {
-                return Err(TxError::Handler(i, e));
+        if !run.is_empty() {
+            // Delivery order, whatever order the claims came back in.
+            run.sort_unstable_by_key(|&(i, _)| i);
+            let msgs: Vec<InboxMessage<'_>> = run
+                .iter()
+                .map(|&(i, attempt)| InboxMessage {
+                    envelope: envelope_of(items, i),
+                    consumer_name: &self.consumer,
+                    attempt,
+                })
+                .collect();
+            match self.handler.handle_batch(&msgs, &mut tx).await {
+                Ok(()) => {}
+                Err(BatchError::Message { index, error }) => {
+                    let i = run.get(index).map(|&(i, _)| i).ok_or_else(|| {
+                        TxError::Unattributed(HandlerError::retryable(
+                            "bad_batch_index",
+                            format!("batch handler blamed message {index} of {}", run.len()),
+                        ))
+                    })?;
+                    return Err(TxError::Handler(i, error));
+                }
+                Err(BatchError::Batch(error)) => return Err(TxError::Unattributed(error)),
             }
         }
         if !run.is_empty() {

@@ -2,13 +2,24 @@
 //!
 //! They describe what this process saw; correctness checks count from the database instead.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::{
+    sync::{
+        Mutex, PoisonError,
+        atomic::{AtomicU64, Ordering::Relaxed},
+    },
+    time::Duration,
+};
+
+use hdrhistogram::Histogram;
 
 use crate::processor::Outcome;
 
 /// Live counters of one [`crate::Consumer`]. Clone the `Arc` from [`crate::Consumer::stats`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ConsumerStats {
+    /// Delivery-to-settlement latency in microseconds (1 µs to 1 hour, 3 significant digits).
+    /// (`None` only if the histogram could not be built, which fixed valid bounds rule out.)
+    latency: Mutex<Option<Histogram<u64>>>,
     received: AtomicU64,
     processed: AtomicU64,
     duplicates: AtomicU64,
@@ -38,6 +49,28 @@ pub struct StatsSnapshot {
     pub settle_failures: u64,
     /// Broker sessions opened (1 + reconnects).
     pub sessions: u64,
+    /// Median delivery-to-settlement latency (receipt to ack, reject or park).
+    pub latency_p50: Duration,
+    /// 99th percentile of the same.
+    pub latency_p99: Duration,
+    /// Deliveries whose latency was measured.
+    pub latency_samples: u64,
+}
+
+impl Default for ConsumerStats {
+    fn default() -> Self {
+        Self {
+            latency: Mutex::new(Histogram::new_with_bounds(1, 3_600_000_000, 3).ok()),
+            received: AtomicU64::default(),
+            processed: AtomicU64::default(),
+            duplicates: AtomicU64::default(),
+            retried: AtomicU64::default(),
+            parked: AtomicU64::default(),
+            unrecorded: AtomicU64::default(),
+            settle_failures: AtomicU64::default(),
+            sessions: AtomicU64::default(),
+        }
+    }
 }
 
 impl ConsumerStats {
@@ -66,13 +99,54 @@ impl ConsumerStats {
         metrics::counter!("rabbit_inbox_settle_failures_total").increment(1);
     }
 
+    pub(crate) fn record_latency(&self, latency: Duration) {
+        let micros = u64::try_from(latency.as_micros())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        if let Some(h) = self
+            .latency
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_mut()
+        {
+            h.saturating_record(micros);
+        }
+        metrics::histogram!("rabbit_inbox_delivery_to_settle_seconds")
+            .record(latency.as_secs_f64());
+    }
+
+    /// Forgets the latencies recorded so far (e.g. after a warm-up).
+    pub fn reset_latency(&self) {
+        if let Some(h) = self
+            .latency
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_mut()
+        {
+            h.reset();
+        }
+    }
+
     pub(crate) fn record_session(&self) {
         self.sessions.fetch_add(1, Relaxed);
     }
 
     /// Reads all counters.
     pub fn snapshot(&self) -> StatsSnapshot {
+        let (latency_p50, latency_p99, latency_samples) = {
+            let h = self.latency.lock().unwrap_or_else(PoisonError::into_inner);
+            h.as_ref().map_or((Duration::ZERO, Duration::ZERO, 0), |h| {
+                (
+                    Duration::from_micros(h.value_at_quantile(0.5)),
+                    Duration::from_micros(h.value_at_quantile(0.99)),
+                    h.len(),
+                )
+            })
+        };
         StatsSnapshot {
+            latency_p50,
+            latency_p99,
+            latency_samples,
             received: self.received.load(Relaxed),
             processed: self.processed.load(Relaxed),
             duplicates: self.duplicates.load(Relaxed),
