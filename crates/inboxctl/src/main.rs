@@ -1,6 +1,7 @@
 //! `inboxctl`: operator CLI for rabbit-inbox. Thin glue over the library and the example
 //! service; each subcommand lives in its own module.
 
+mod bench;
 mod connect;
 mod demo;
 mod scenario;
@@ -75,6 +76,9 @@ enum Command {
     /// the example service (including a crash between commit and ack), and check from the
     /// database that every unique message's effect was applied exactly once.
     Demo(demo::DemoArgs),
+    /// Measure throughput side by side: the broker ceiling, the textbook inbox recipe, and
+    /// rabbit-inbox with a per-message and a batch handler, each checked for exactly-once.
+    Bench(bench::BenchArgs),
 }
 
 /// Where the example service lives.
@@ -124,10 +128,25 @@ async fn main() -> ExitCode {
     match run(cli).await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_chain(&e));
             ExitCode::from(2)
         }
     }
+}
+
+/// The error and its causes, skipping causes whose text the previous message already holds.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+    }
+    out
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -197,20 +216,22 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Demo(args) => demo::run(&servers, args).await,
+        Command::Bench(args) => bench::run(&servers, args).await,
     }
 }
 
-/// Publishes a generated stream in order, each with a broker confirm.
+/// Publishes a generated stream in order, with broker confirms.
 pub(crate) async fn publish_all(
     broker: &Broker,
     exchange: &str,
     messages: &[scenario::Published],
 ) -> anyhow::Result<()> {
-    for m in messages {
-        broker
-            .publish(exchange, &m.routing_key, &m.message)
-            .await
-            .with_context(|| format!("publishing to exchange {exchange}"))?;
-    }
-    Ok(())
+    let batch: Vec<(&str, &rabbit_inbox::OutgoingMessage)> = messages
+        .iter()
+        .map(|m| (m.routing_key.as_str(), &m.message))
+        .collect();
+    broker
+        .publish_batch(exchange, &batch)
+        .await
+        .with_context(|| format!("publishing to exchange {exchange}"))
 }

@@ -67,6 +67,26 @@ pub struct OutgoingMessage {
     pub body: Vec<u8>,
 }
 
+impl OutgoingMessage {
+    /// AMQP properties: persistent, JSON, with the id, type, correlation id and headers.
+    fn properties(&self) -> BasicProperties {
+        let mut properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type("application/json".into())
+            .with_headers(json_to_table(&self.headers));
+        if let Some(id) = &self.message_id {
+            properties = properties.with_message_id(id.as_str().into());
+        }
+        if let Some(kind) = &self.kind {
+            properties = properties.with_type(kind.as_str().into());
+        }
+        if let Some(c) = &self.correlation_id {
+            properties = properties.with_correlation_id(c.as_str().into());
+        }
+        properties
+    }
+}
+
 /// Queue depths of a topology, see [`Broker::queue_depths`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QueueDepths {
@@ -116,27 +136,48 @@ impl Broker {
         routing_key: &str,
         message: &OutgoingMessage,
     ) -> Result<(), BrokerError> {
-        let mut properties = BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_content_type("application/json".into())
-            .with_headers(json_to_table(&message.headers));
-        if let Some(id) = &message.message_id {
-            properties = properties.with_message_id(id.as_str().into());
-        }
-        if let Some(kind) = &message.kind {
-            properties = properties.with_type(kind.as_str().into());
-        }
-        if let Some(c) = &message.correlation_id {
-            properties = properties.with_correlation_id(c.as_str().into());
-        }
         publish_confirmed(
             &self.channel,
             exchange,
             routing_key,
             &message.body,
-            properties,
+            message.properties(),
         )
         .await
+    }
+
+    /// Publishes many `(routing key, message)` pairs, keeping up to 512 confirms in flight,
+    /// and returns once the broker has confirmed all of them. Order is preserved.
+    pub async fn publish_batch(
+        &self,
+        exchange: &str,
+        messages: &[(&str, &OutgoingMessage)],
+    ) -> Result<(), BrokerError> {
+        for chunk in messages.chunks(512) {
+            let mut confirms = Vec::with_capacity(chunk.len());
+            for &(routing_key, message) in chunk {
+                let confirm = self
+                    .channel
+                    .basic_publish(
+                        exchange.into(),
+                        routing_key.into(),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
+                        &message.body,
+                        message.properties(),
+                    )
+                    .await?;
+                confirms.push(confirm);
+            }
+            for confirm in confirms {
+                if !matches!(confirm.await?, Confirmation::Ack(None)) {
+                    return Err(BrokerError::NotConfirmed(format!("exchange {exchange:?}")));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Ready-message counts of the topology's queues.

@@ -1,0 +1,587 @@
+//! `inbox-bench`: measures, in one process against the local servers, the broker's ceiling,
+//! the textbook inbox recipe, and rabbit-inbox with a per-message and a batch handler, all on
+//! the same workload and the same business effect (one history row per message), and checks
+//! exactly-once after every run. `inboxctl bench` is its command line.
+
+mod baseline;
+mod rss;
+mod workload;
+
+use std::{
+    fmt,
+    time::{Duration, Instant},
+};
+
+use rabbit_inbox::{Broker, Consumer, ConsumerConfig, ConsumerStats, SchemaName, Topology};
+use serde::Serialize;
+use sqlx::PgPool;
+
+use workload::{BatchEffect, History, PerMessageEffect, Workload};
+
+/// Why a benchmark could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// RabbitMQ failed.
+    #[error(transparent)]
+    Amqp(#[from] lapin::Error),
+    /// The library's broker helpers failed.
+    #[error(transparent)]
+    Broker(#[from] rabbit_inbox::BrokerError),
+    /// The inbox store failed.
+    #[error(transparent)]
+    Store(#[from] rabbit_inbox::StoreError),
+    /// PostgreSQL failed.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    /// The consumer failed.
+    #[error(transparent)]
+    Consumer(#[from] rabbit_inbox::ConsumerError),
+    /// Bad options or configuration.
+    #[error(transparent)]
+    Config(#[from] rabbit_inbox::ConfigError),
+    /// A generated message did not parse.
+    #[error("benchmark message is invalid: {0}")]
+    Invalid(String),
+    /// The broker ended the consumer early.
+    #[error("the broker ended the consumer before all messages arrived")]
+    StreamEnded,
+    /// A run did not finish in time.
+    #[error("{0} did not finish within {1:?}")]
+    Timeout(&'static str, Duration),
+}
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    /// Deliveries per run.
+    pub messages: usize,
+    /// Body size in bytes.
+    pub payload_size: usize,
+    /// Share of deliveries that repeat an earlier message.
+    pub duplicate_share: f64,
+    /// rabbit-inbox batch size (None: the library default).
+    pub batch_size: Option<usize>,
+    /// rabbit-inbox lanes (None: the library default).
+    pub lanes: Option<usize>,
+    /// rabbit-inbox prefetch (None: the library default).
+    pub prefetch: Option<u16>,
+    /// Prefetch of the broker ceiling.
+    pub ceiling_prefetch: u16,
+    /// Multiple-ack interval of the broker ceiling.
+    pub ceiling_ack_every: usize,
+    /// Repetitions; figures are medians.
+    pub runs: usize,
+    /// Messages per second of the low-load latency run (0: skip it).
+    pub low_load_rate: u32,
+    /// Duration of the low-load run.
+    pub low_load_duration: Duration,
+    /// Inbox sizes (rows already present) to measure the batch handler against, besides empty.
+    pub prefill: Vec<u64>,
+    /// PostgreSQL schema used (dropped and recreated for every run).
+    pub schema: SchemaName,
+    /// Prefix of the queues used (deleted after every run).
+    pub queue_prefix: String,
+}
+
+/// One measured mode.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ModeResult {
+    /// Name shown in the table.
+    pub mode: String,
+    /// Deliveries per second, median of the runs.
+    pub msgs_per_s: f64,
+    /// Median delivery-to-ack latency, ms.
+    pub p50_ms: f64,
+    /// 99th percentile delivery-to-ack latency, ms.
+    pub p99_ms: f64,
+    /// Peak resident memory during the run, MiB.
+    pub peak_rss_mb: f64,
+    /// Exactly-once check from the database (None where no database is involved).
+    pub exactly_once: Option<bool>,
+}
+
+/// All figures of a benchmark.
+#[derive(Clone, Debug, Default)]
+pub struct BenchReport {
+    /// The options' summary line.
+    pub setup: String,
+    /// Ceiling, textbook, per-message, batch, then low-load and prefilled runs.
+    pub modes: Vec<ModeResult>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Ceiling,
+    Textbook,
+    PerMessage,
+    Batch,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Ceiling => "broker ceiling (consume + multiple-ack, no db)",
+            Mode::Textbook => "textbook inbox (1 tx + 1 ack per message)",
+            Mode::PerMessage => "rabbit-inbox, per-message handler",
+            Mode::Batch => "rabbit-inbox, batch handler",
+        }
+    }
+
+    fn slug(self) -> &'static str {
+        match self {
+            Mode::Ceiling => "ceiling",
+            Mode::Textbook => "textbook",
+            Mode::PerMessage => "per-message",
+            Mode::Batch => "batch",
+        }
+    }
+}
+
+struct Run {
+    elapsed: Duration,
+    p50: Duration,
+    p99: Duration,
+    peak_rss_mb: f64,
+    exactly_once: Option<bool>,
+}
+
+/// Runs the benchmark. `progress` gets one line per finished run.
+pub async fn run(
+    amqp_url: &str,
+    pool: &PgPool,
+    options: &BenchOptions,
+    mut progress: impl FnMut(&str),
+) -> Result<BenchReport, BenchError> {
+    if options.messages < 10 {
+        return Err(BenchError::Invalid("use at least 10 messages".into()));
+    }
+    let broker = Broker::connect(amqp_url, "inbox-bench").await?;
+    let library = library_config(options);
+    let mut report = BenchReport {
+        setup: format!(
+            "{} messages of {} bytes, {:.0}% duplicates; rabbit-inbox batch {} x {} lanes, prefetch {}; \
+             ceiling prefetch {}, ack every {}; median of {} run(s)",
+            options.messages,
+            options.payload_size,
+            options.duplicate_share * 100.0,
+            library.batch_size,
+            library.lanes,
+            library.prefetch,
+            options.ceiling_prefetch,
+            options.ceiling_ack_every,
+            options.runs.max(1)
+        ),
+        modes: Vec::new(),
+    };
+    let mut all: Vec<(Mode, Vec<Run>)> =
+        [Mode::Ceiling, Mode::Textbook, Mode::PerMessage, Mode::Batch]
+            .into_iter()
+            .map(|m| (m, Vec::new()))
+            .collect();
+    for round in 0..options.runs.max(1) {
+        // Interleaved, so drift on a noisy machine hits every mode alike.
+        for (mode, runs) in &mut all {
+            let workload = Workload::new(
+                options.messages,
+                options.payload_size,
+                options.duplicate_share,
+                round as u64 + 1,
+            );
+            let run = run_once(amqp_url, pool, &broker, options, *mode, &workload, 0).await?;
+            progress(&format!(
+                "  run {}: {:<48} {:>9.0} msgs/s",
+                round + 1,
+                mode.name(),
+                options.messages as f64 / run.elapsed.as_secs_f64()
+            ));
+            runs.push(run);
+        }
+    }
+    for (mode, runs) in all {
+        report
+            .modes
+            .push(summarize(mode.name().to_owned(), options.messages, runs));
+    }
+
+    for &rows in &options.prefill {
+        let workload = Workload::new(
+            options.messages,
+            options.payload_size,
+            options.duplicate_share,
+            99,
+        );
+        let mut runs = Vec::new();
+        for _ in 0..options.runs.max(1) {
+            runs.push(
+                run_once(
+                    amqp_url,
+                    pool,
+                    &broker,
+                    options,
+                    Mode::Batch,
+                    &workload,
+                    rows,
+                )
+                .await?,
+            );
+        }
+        let result = summarize(
+            format!("rabbit-inbox, batch handler, inbox holding {rows} rows"),
+            options.messages,
+            runs,
+        );
+        progress(&format!(
+            "  {:<58} {:>9.0} msgs/s",
+            result.mode, result.msgs_per_s
+        ));
+        report.modes.push(result);
+    }
+
+    if options.low_load_rate > 0 {
+        let result = low_load(amqp_url, pool, &broker, options).await?;
+        progress(&format!(
+            "  {:<58} p99 {:.1} ms",
+            result.mode, result.p99_ms
+        ));
+        report.modes.push(result);
+    }
+    broker.close().await;
+    Ok(report)
+}
+
+fn library_config(options: &BenchOptions) -> ConsumerConfig {
+    let mut config = ConsumerConfig::new(workload::CONSUMER, Topology::new("unused"));
+    if let Some(b) = options.batch_size {
+        config.batch_size = b;
+    }
+    if let Some(l) = options.lanes {
+        config.lanes = l;
+    }
+    if let Some(p) = options.prefetch {
+        config.prefetch = p;
+    }
+    config
+}
+
+async fn fresh_topology(
+    broker: &Broker,
+    options: &BenchOptions,
+    slug: &str,
+) -> Result<Topology, BenchError> {
+    let topology = Topology::new(format!("{}-{slug}", options.queue_prefix));
+    broker.delete(&topology).await?;
+    broker
+        .declare(&topology, library_config(options).retry.retry_delay)
+        .await?;
+    Ok(topology)
+}
+
+async fn run_once(
+    amqp_url: &str,
+    pool: &PgPool,
+    broker: &Broker,
+    options: &BenchOptions,
+    mode: Mode,
+    workload: &Workload,
+    prefill: u64,
+) -> Result<Run, BenchError> {
+    let schema = &options.schema;
+    workload::reset_schema(pool, schema).await?;
+    if prefill > 0 {
+        workload::prefill(pool, schema, prefill).await?;
+    }
+    let topology = fresh_topology(broker, options, mode.slug()).await?;
+    let batch: Vec<(&str, &rabbit_inbox::OutgoingMessage)> = workload
+        .messages
+        .iter()
+        .map(|m| (topology.queue.as_str(), m))
+        .collect();
+    broker.publish_batch("", &batch).await?;
+    let count = workload.messages.len();
+    let timeout = Duration::from_secs(600);
+
+    rss::reset_peak();
+    let started = Instant::now();
+    let (p50, p99) = match mode {
+        Mode::Ceiling => {
+            let mut h = baseline::histogram();
+            baseline::ceiling(
+                amqp_url,
+                &topology.queue,
+                count,
+                options.ceiling_prefetch,
+                options.ceiling_ack_every,
+                &mut h,
+            )
+            .await?;
+            (h.value_at_quantile(0.5), h.value_at_quantile(0.99))
+        }
+        Mode::Textbook => {
+            let mut h = baseline::histogram();
+            let prefetch = library_config(options).prefetch;
+            baseline::textbook(
+                amqp_url,
+                pool,
+                schema,
+                &topology.queue,
+                count,
+                prefetch,
+                &mut h,
+            )
+            .await?;
+            (h.value_at_quantile(0.5), h.value_at_quantile(0.99))
+        }
+        Mode::PerMessage | Mode::Batch => {
+            let mut config = library_config(options);
+            config.schema = schema.clone();
+            config.topology = topology.clone();
+            let history = History::new(schema);
+            let stats = if mode == Mode::PerMessage {
+                let c = Consumer::new(amqp_url, pool.clone(), config, PerMessageEffect(history))?;
+                drive(c, count as u64, timeout, mode.name()).await?
+            } else {
+                let c = Consumer::with_batch_handler(
+                    amqp_url,
+                    pool.clone(),
+                    config,
+                    BatchEffect(history),
+                )?;
+                drive(c, count as u64, timeout, mode.name()).await?
+            };
+            let s = stats.snapshot();
+            (
+                s.latency_p50.as_micros() as u64,
+                s.latency_p99.as_micros() as u64,
+            )
+        }
+    };
+    let elapsed = started.elapsed();
+    let peak_rss_mb = rss::peak_mb();
+    let exactly_once = match mode {
+        Mode::Ceiling => None,
+        _ => Some(workload::exactly_once(pool, schema, workload.unique).await?),
+    };
+    broker.delete(&topology).await?;
+    Ok(Run {
+        elapsed,
+        p50: Duration::from_micros(p50),
+        p99: Duration::from_micros(p99),
+        peak_rss_mb,
+        exactly_once,
+    })
+}
+
+/// Runs a library consumer until `count` deliveries are settled, then stops it.
+async fn drive<H: rabbit_inbox::BatchHandler>(
+    consumer: Consumer<H>,
+    count: u64,
+    timeout: Duration,
+    name: &'static str,
+) -> Result<std::sync::Arc<ConsumerStats>, BenchError> {
+    let stats = consumer.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run(async {
+        let _ = stopped.await;
+    }));
+    let deadline = Instant::now() + timeout;
+    while stats.snapshot().latency_samples < count {
+        if task.is_finished() || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let done = stats.snapshot().latency_samples >= count;
+    let _ = stop.send(());
+    match task.await {
+        Ok(result) => result?,
+        Err(e) => return Err(BenchError::Invalid(format!("consumer task failed: {e}"))),
+    }
+    if !done {
+        return Err(BenchError::Timeout(name, timeout));
+    }
+    Ok(stats)
+}
+
+/// The batch handler under a steady low rate: latency when batches do not fill up.
+async fn low_load(
+    amqp_url: &str,
+    pool: &PgPool,
+    broker: &Broker,
+    options: &BenchOptions,
+) -> Result<ModeResult, BenchError> {
+    let schema = &options.schema;
+    workload::reset_schema(pool, schema).await?;
+    let topology = fresh_topology(broker, options, "low-load").await?;
+    let count = (f64::from(options.low_load_rate) * options.low_load_duration.as_secs_f64())
+        .max(1.0) as usize;
+    let workload = Workload::new(count, options.payload_size, 0.0, 7);
+    let mut config = library_config(options);
+    config.schema = schema.clone();
+    config.topology = topology.clone();
+    let consumer = Consumer::with_batch_handler(
+        amqp_url,
+        pool.clone(),
+        config,
+        BatchEffect(History::new(schema)),
+    )?;
+    let stats = consumer.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run(async {
+        let _ = stopped.await;
+    }));
+    rss::reset_peak();
+    let interval = Duration::from_secs_f64(1.0 / f64::from(options.low_load_rate));
+    let mut ticker = tokio::time::interval(interval);
+    for m in &workload.messages {
+        ticker.tick().await;
+        broker.publish("", &topology.queue, m).await?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stats.snapshot().latency_samples < count as u64 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let _ = stop.send(());
+    let _ = task.await;
+    let s = stats.snapshot();
+    let exactly_once = workload::exactly_once(pool, schema, workload.unique).await?;
+    broker.delete(&topology).await?;
+    Ok(ModeResult {
+        mode: format!(
+            "rabbit-inbox, batch handler, steady {} msgs/s",
+            options.low_load_rate
+        ),
+        msgs_per_s: f64::from(options.low_load_rate),
+        p50_ms: ms(s.latency_p50),
+        p99_ms: ms(s.latency_p99),
+        peak_rss_mb: rss::peak_mb(),
+        exactly_once: Some(exactly_once && s.latency_samples >= count as u64),
+    })
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn summarize(mode: String, messages: usize, runs: Vec<Run>) -> ModeResult {
+    ModeResult {
+        mode,
+        msgs_per_s: median(
+            runs.iter()
+                .map(|r| messages as f64 / r.elapsed.as_secs_f64())
+                .collect(),
+        ),
+        p50_ms: median(runs.iter().map(|r| ms(r.p50)).collect()),
+        p99_ms: median(runs.iter().map(|r| ms(r.p99)).collect()),
+        peak_rss_mb: runs.iter().map(|r| r.peak_rss_mb).fold(0.0, f64::max),
+        exactly_once: runs
+            .iter()
+            .map(|r| r.exactly_once)
+            .try_fold(true, |acc, e| e.map(|e| acc && e)),
+    }
+}
+
+impl BenchReport {
+    fn find(&self, prefix: &str) -> Option<&ModeResult> {
+        self.modes.iter().find(|m| m.mode == prefix)
+    }
+
+    fn rate(&self, mode: Mode) -> f64 {
+        self.find(mode.name()).map_or(0.0, |m| m.msgs_per_s)
+    }
+
+    /// Whether every database-backed run passed its exactly-once check.
+    pub fn exactly_once(&self) -> bool {
+        self.modes.iter().all(|m| m.exactly_once != Some(false))
+    }
+
+    /// The machine-readable summary (`--json`).
+    pub fn json(&self) -> serde_json::Value {
+        let ceiling = self.rate(Mode::Ceiling);
+        let textbook = self.rate(Mode::Textbook);
+        let batch = self.rate(Mode::Batch);
+        let per_message = self.rate(Mode::PerMessage);
+        let batch_mode = self.find(Mode::Batch.name()).cloned().unwrap_or_default();
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        serde_json::json!({
+            "ceiling_msgs_per_s": ceiling,
+            "textbook_msgs_per_s": textbook,
+            "inbox_msgs_per_s": batch,
+            "per_message_msgs_per_s": per_message,
+            "ratio_vs_ceiling": ratio(batch, ceiling),
+            "ratio_per_message_vs_ceiling": ratio(per_message, ceiling),
+            "ratio_vs_textbook": ratio(batch, textbook),
+            "p50_ms": batch_mode.p50_ms,
+            "p99_ms": batch_mode.p99_ms,
+            "peak_rss_mb": self.modes.iter().map(|m| m.peak_rss_mb).fold(0.0, f64::max),
+            "exactly_once": self.exactly_once(),
+            "modes": self.modes,
+        })
+    }
+}
+
+impl fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ceiling = self.rate(Mode::Ceiling);
+        let textbook = self.rate(Mode::Textbook);
+        writeln!(f, "{}", self.setup)?;
+        writeln!(
+            f,
+            "| {:<62} | {:>9} | {:>10} | {:>11} | {:>7} | {:>7} | {:>8} | {:>12} |",
+            "mode",
+            "msgs/s",
+            "x ceiling",
+            "x textbook",
+            "p50 ms",
+            "p99 ms",
+            "peak MiB",
+            "exactly-once"
+        )?;
+        writeln!(
+            f,
+            "|{}|{}|{}|{}|{}|{}|{}|{}|",
+            "-".repeat(64),
+            "-".repeat(11),
+            "-".repeat(12),
+            "-".repeat(13),
+            "-".repeat(9),
+            "-".repeat(9),
+            "-".repeat(10),
+            "-".repeat(14)
+        )?;
+        for m in &self.modes {
+            let ratio = |base: f64| {
+                if base > 0.0 {
+                    format!("{:.2}", m.msgs_per_s / base)
+                } else {
+                    "-".into()
+                }
+            };
+            writeln!(
+                f,
+                "| {:<62} | {:>9.0} | {:>10} | {:>11} | {:>7.2} | {:>7.2} | {:>8.1} | {:>12} |",
+                m.mode,
+                m.msgs_per_s,
+                ratio(ceiling),
+                ratio(textbook),
+                m.p50_ms,
+                m.p99_ms,
+                m.peak_rss_mb,
+                match m.exactly_once {
+                    None => "n/a",
+                    Some(true) => "yes",
+                    Some(false) => "NO",
+                }
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,94 @@
+//! `inboxctl bench`: glue over `inbox-bench`.
+
+use std::{process::ExitCode, time::Duration};
+
+use clap::Args;
+use rabbit_inbox::SchemaName;
+
+use crate::{Servers, connect};
+
+#[derive(Args)]
+pub(crate) struct BenchArgs {
+    /// Deliveries per run.
+    #[arg(long, default_value_t = 20_000)]
+    messages: usize,
+    /// Body size in bytes.
+    #[arg(long, default_value_t = 320)]
+    payload_size: usize,
+    /// Share of deliveries that repeat an earlier message (same id and body), 0 to 0.9.
+    #[arg(long, default_value_t = 0.0)]
+    duplicates: f64,
+    /// rabbit-inbox batch size (default: the library's).
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// rabbit-inbox lanes (default: the library's).
+    #[arg(long)]
+    lanes: Option<usize>,
+    /// rabbit-inbox prefetch (default: the library's).
+    #[arg(long)]
+    prefetch: Option<u16>,
+    /// Prefetch of the broker-ceiling consumer.
+    #[arg(long, default_value_t = 1000)]
+    ceiling_prefetch: u16,
+    /// Multiple-ack interval of the broker-ceiling consumer.
+    #[arg(long, default_value_t = 250)]
+    ceiling_ack_every: usize,
+    /// Repetitions; the table shows medians.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Rate of the low-load latency run in messages per second (0 skips it).
+    #[arg(long, default_value_t = 100)]
+    low_load_rate: u32,
+    /// Duration of the low-load run in seconds.
+    #[arg(long, default_value_t = 5)]
+    low_load_secs: u64,
+    /// Also measure the batch handler with the inbox already holding this many rows
+    /// (repeatable, e.g. --prefill 1000000 --prefill 10000000).
+    #[arg(long)]
+    prefill: Vec<u64>,
+    /// PostgreSQL schema of the benchmark (recreated for every run).
+    #[arg(long, default_value = "inbox_bench")]
+    schema: String,
+    /// Print one JSON object as the last line.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) async fn run(servers: &Servers, args: BenchArgs) -> anyhow::Result<ExitCode> {
+    if !(0.0..=0.9).contains(&args.duplicates) {
+        anyhow::bail!("--duplicates must be between 0 and 0.9");
+    }
+    let options = inbox_bench::BenchOptions {
+        messages: args.messages,
+        payload_size: args.payload_size,
+        duplicate_share: args.duplicates,
+        batch_size: args.batch_size,
+        lanes: args.lanes,
+        prefetch: args.prefetch,
+        ceiling_prefetch: args.ceiling_prefetch,
+        ceiling_ack_every: args.ceiling_ack_every,
+        runs: args.runs,
+        low_load_rate: args.low_load_rate,
+        low_load_duration: Duration::from_secs(args.low_load_secs),
+        prefill: args.prefill,
+        schema: SchemaName::new(args.schema)?,
+        queue_prefix: "inbox-bench".into(),
+    };
+    let pool = connect::postgres(&servers.database_url).await?;
+    connect::rabbitmq(&servers.amqp_url).await?.close().await;
+    let report = inbox_bench::run(&servers.amqp_url, &pool, &options, |line| {
+        eprintln!("{line}")
+    })
+    .await?;
+    println!("{report}");
+    let exactly_once = report.exactly_once();
+    if args.json {
+        println!("{}", report.json());
+    }
+    Ok(if exactly_once {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("exactly-once check FAILED");
+        ExitCode::FAILURE
+    })
+}
