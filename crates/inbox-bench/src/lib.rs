@@ -77,6 +77,8 @@ pub struct BenchOptions {
     pub low_load_duration: Duration,
     /// Inbox sizes (rows already present) to measure the batch handler against, besides empty.
     pub prefill: Vec<u64>,
+    /// Which of `ceiling`, `textbook`, `per-message`, `batch` to run (empty: all).
+    pub modes: Vec<String>,
     /// PostgreSQL schema used (dropped and recreated for every run).
     pub schema: SchemaName,
     /// Prefix of the queues used (deleted after every run).
@@ -176,8 +178,14 @@ pub async fn run(
     let mut all: Vec<(Mode, Vec<Run>)> =
         [Mode::Ceiling, Mode::Textbook, Mode::PerMessage, Mode::Batch]
             .into_iter()
+            .filter(|m| options.modes.is_empty() || options.modes.iter().any(|s| s == m.slug()))
             .map(|m| (m, Vec::new()))
             .collect();
+    if all.is_empty() {
+        return Err(BenchError::Invalid(
+            "--modes takes ceiling, textbook, per-message and batch".into(),
+        ));
+    }
     for round in 0..options.runs.max(1) {
         // Interleaved, so drift on a noisy machine hits every mode alike.
         for (mode, runs) in &mut all {

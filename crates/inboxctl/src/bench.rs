@@ -46,6 +46,9 @@ pub(crate) struct BenchArgs {
     /// (repeatable, e.g. --prefill 1000000 --prefill 10000000).
     #[arg(long)]
     prefill: Vec<u64>,
+    /// Modes to run, comma-separated: ceiling, textbook, per-message, batch (default: all).
+    #[arg(long, value_delimiter = ',')]
+    modes: Vec<String>,
     /// PostgreSQL schema of the benchmark (recreated for every run).
     #[arg(long, default_value = "inbox_bench")]
     schema: String,
@@ -71,6 +74,7 @@ pub(crate) async fn run(servers: &Servers, args: BenchArgs) -> anyhow::Result<Ex
         low_load_rate: args.low_load_rate,
         low_load_duration: Duration::from_secs(args.low_load_secs),
         prefill: args.prefill,
+        modes: args.modes,
         schema: SchemaName::new(args.schema)?,
         queue_prefix: "inbox-bench".into(),
     };

@@ -269,6 +269,7 @@ struct LaneContext<H> {
 async fn lane<H: BatchHandler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
     let (initial, max) = ctx.backoff;
     let mut unrecorded_delay = initial;
+    let mut db = ctx.processor.lane_connection();
     while let Some(first) = rx.recv().await {
         let mut batch = vec![first];
         let deadline = Instant::now() + ctx.max_batch_delay;
@@ -279,7 +280,7 @@ async fn lane<H: BatchHandler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>
             }
         }
         let (pendings, parsed): (Vec<PendingDelivery>, Vec<Parsed>) = batch.into_iter().unzip();
-        let outcomes = ctx.processor.process(&parsed).await;
+        let outcomes = ctx.processor.process(&parsed, &mut db).await;
 
         // Injected crash between commit and ack: the connection goes, nothing is settled.
         #[cfg(feature = "fault-injection")]

@@ -8,7 +8,7 @@
 use std::{collections::HashMap, sync::Arc};
 
 use sha2::{Digest, Sha256};
-use sqlx::{PgConnection, PgPool};
+use sqlx::{Connection, PgConnection, PgPool, Postgres, pool::PoolConnection};
 
 use crate::{
     config::{ConsumerConfig, PayloadStorage, RetryPolicy},
@@ -58,6 +58,33 @@ pub enum Outcome {
 
 /// Error code of a body that differs from the one first recorded under the same key.
 pub const PAYLOAD_CONFLICT: &str = "payload_conflict";
+
+/// A lane's database connection, kept across batches: taking one from the pool costs a ping
+/// round trip each time. Discarded after a database error, so a broken one is not reused.
+pub(crate) struct LaneConnection {
+    pool: PgPool,
+    conn: Option<PoolConnection<Postgres>>,
+}
+
+impl LaneConnection {
+    pub(crate) fn new(pool: PgPool) -> Self {
+        Self { pool, conn: None }
+    }
+
+    async fn get(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
+        if self.conn.is_none() {
+            self.conn = Some(self.pool.acquire().await?);
+        }
+        match self.conn.as_mut() {
+            Some(conn) => Ok(&mut **conn),
+            None => Err(sqlx::Error::PoolClosed),
+        }
+    }
+
+    fn discard(&mut self) {
+        self.conn = None;
+    }
+}
 
 pub(crate) struct Processor<H> {
     pool: PgPool,
@@ -122,8 +149,13 @@ impl<H: BatchHandler> Processor<H> {
         }
     }
 
+    /// A connection slot for one lane.
+    pub(crate) fn lane_connection(&self) -> LaneConnection {
+        LaneConnection::new(self.pool.clone())
+    }
+
     /// Processes a batch; returns one outcome per item, in order.
-    pub(crate) async fn process(&self, items: &[Parsed]) -> Vec<Outcome> {
+    pub(crate) async fn process(&self, items: &[Parsed], db: &mut LaneConnection) -> Vec<Outcome> {
         let mut outcomes: Vec<Option<Outcome>> = vec![None; items.len()];
 
         // Bad input: recorded and parked, never processed.
@@ -153,7 +185,7 @@ impl<H: BatchHandler> Processor<H> {
                 let key = envelope_of(items, i).message_id.as_str();
                 seen.insert(key, ()).is_none()
             });
-            self.run_round(items, round, &mut outcomes).await;
+            self.run_round(items, round, &mut outcomes, db).await;
             pending = later;
         }
 
@@ -172,12 +204,17 @@ impl<H: BatchHandler> Processor<H> {
         items: &[Parsed],
         round: Vec<usize>,
         outcomes: &mut [Option<Outcome>],
+        db: &mut LaneConnection,
     ) {
         let mut active = round;
         let mut failed: Vec<(usize, HandlerError)> = Vec::new();
         let mut transient_retries = 0;
         while !active.is_empty() {
-            match self.transaction(items, &active).await {
+            let attempt = self.transaction(items, &active, db).await;
+            if matches!(attempt, Err(TxError::Database(_))) {
+                db.discard();
+            }
+            match attempt {
                 Ok(decided) => {
                     for (i, outcome) in decided {
                         outcomes[i] = Some(outcome);
@@ -191,7 +228,7 @@ impl<H: BatchHandler> Processor<H> {
                 Err(TxError::Unattributed(e)) if active.len() > 1 => {
                     tracing::debug!(error = %e, "batch failed without a culprit; isolating its messages");
                     for i in std::mem::take(&mut active) {
-                        Box::pin(self.run_round(items, vec![i], outcomes)).await;
+                        Box::pin(self.run_round(items, vec![i], outcomes, db)).await;
                     }
                 }
                 Err(TxError::Unattributed(e)) => {
@@ -206,7 +243,7 @@ impl<H: BatchHandler> Processor<H> {
                     // aborted: isolate the messages so only the culprit is blamed.
                     tracing::warn!(error = %e, batch = active.len(), "batch failed; retrying one message per transaction");
                     for i in std::mem::take(&mut active) {
-                        Box::pin(self.run_round(items, vec![i], outcomes)).await;
+                        Box::pin(self.run_round(items, vec![i], outcomes, db)).await;
                     }
                 }
                 Err(TxError::Transient(e) | TxError::Database(e)) => {
@@ -260,13 +297,42 @@ impl<H: BatchHandler> Processor<H> {
         &self,
         items: &[Parsed],
         active: &[usize],
+        db: &mut LaneConnection,
     ) -> Result<Vec<(usize, Outcome)>, TxError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = db.get().await?.begin().await?;
+        match self.apply(items, active, &mut tx).await {
+            Ok(decided) => {
+                // A failed commit leaves the outcome unknown: report Unrecorded, the message
+                // comes back, and the inbox tells on redelivery whether it committed.
+                tx.commit()
+                    .await
+                    .map_err(|e| TxError::Database(StoreError::from(e)))?;
+                Ok(decided)
+            }
+            Err(e) => {
+                // Roll back now, not lazily on the connection's next use: the failure is
+                // recorded next on another connection and would wait for this claim's locks.
+                tx.rollback()
+                    .await
+                    .map_err(|e| TxError::Database(StoreError::from(e)))?;
+                Err(e)
+            }
+        }
+    }
+
+    /// The batch transaction's work: claims, decisions, handlers, marks. Returns the outcomes
+    /// it will have once committed.
+    async fn apply(
+        &self,
+        items: &[Parsed],
+        active: &[usize],
+        tx: &mut PgConnection,
+    ) -> Result<Vec<(usize, Outcome)>, TxError> {
         let envelopes: Vec<&Envelope> = active.iter().map(|&i| envelope_of(items, i)).collect();
         let claims = self
             .store
-            .try_claim_many(
-                &mut tx,
+            .try_claim_many_committing(
+                &mut *tx,
                 &self.consumer,
                 &envelopes,
                 self.payload_storage == PayloadStorage::Always,
@@ -343,7 +409,7 @@ impl<H: BatchHandler> Processor<H> {
                 .collect();
             let attempts = self
                 .store
-                .mark_processing(&mut tx, &self.consumer, &ids)
+                .mark_processing(&mut *tx, &self.consumer, &ids)
                 .await?;
             for &i in &reclaim {
                 let id = &envelope_of(items, i).message_id;
@@ -358,12 +424,12 @@ impl<H: BatchHandler> Processor<H> {
             }
         }
         self.store
-            .note_redeliveries(&mut tx, &self.consumer, &redeliveries)
+            .note_redeliveries(&mut *tx, &self.consumer, &redeliveries)
             .await?;
 
         if self.lock_aggregates {
             lock_aggregates(
-                &mut tx,
+                &mut *tx,
                 &self.consumer,
                 run.iter().map(|&(i, _)| envelope_of(items, i)),
             )
@@ -380,7 +446,7 @@ impl<H: BatchHandler> Processor<H> {
                     attempt,
                 })
                 .collect();
-            match self.handler.handle_batch(&msgs, &mut tx).await {
+            match self.handler.handle_batch(&msgs, &mut *tx).await {
                 Ok(()) => {}
                 Err(BatchError::Message { index, error }) => {
                     let i = run.get(index).map(|&(i, _)| i).ok_or_else(|| {
@@ -394,25 +460,21 @@ impl<H: BatchHandler> Processor<H> {
                 Err(BatchError::Batch(error)) => return Err(TxError::Unattributed(error)),
             }
         }
-        if !run.is_empty() {
-            let ids: Vec<&str> = run
+        // New rows were inserted PROCESSED already; reclaimed ones still need the update.
+        if !reclaim.is_empty() {
+            let ids: Vec<&str> = reclaim
                 .iter()
-                .map(|&(i, _)| envelope_of(items, i).message_id.as_str())
+                .map(|&i| envelope_of(items, i).message_id.as_str())
                 .collect();
             self.store
                 .mark_processed(
-                    &mut tx,
+                    &mut *tx,
                     &self.consumer,
                     &ids,
                     self.payload_storage == PayloadStorage::Always,
                 )
                 .await?;
         }
-        // A failed commit leaves the outcome unknown: report Unrecorded, the message comes
-        // back, and the inbox tells on redelivery whether it committed.
-        tx.commit()
-            .await
-            .map_err(|e| TxError::Database(StoreError::from(e)))?;
         decided.extend(run.into_iter().map(|(i, _)| (i, Outcome::Processed)));
         Ok(decided)
     }

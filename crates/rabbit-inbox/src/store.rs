@@ -190,9 +190,10 @@ impl Sql {
             claim: audited(format!(
                 "INSERT INTO {t} (message_id, consumer_name, message_type, message_version, \
                    aggregate_type, aggregate_id, status, processing_attempt, \
-                   processing_started_at, payload_sha256, payload, headers, correlation_id, \
-                   causation_id, trace_id, tenant_id) \
-                 SELECT u.id, $1, u.ty, u.ver, u.agg_ty, u.agg_id, 'PROCESSING', 1, now(), \
+                   processing_started_at, processed_at, payload_sha256, payload, headers, \
+                   correlation_id, causation_id, trace_id, tenant_id) \
+                 SELECT u.id, $1, u.ty, u.ver, u.agg_ty, u.agg_id, $14, 1, now(), \
+                   CASE WHEN $14 = 'PROCESSED' THEN now() END, \
                    u.sha, u.body, u.headers, u.corr, u.cause, u.trace, u.tenant \
                  FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::text[], $6::text[], \
                    $7::bytea[], $8::bytea[], $9::jsonb[], $10::text[], $11::text[], \
@@ -354,6 +355,46 @@ impl InboxStore {
         envelopes: &[&Envelope],
         store_payload: bool,
     ) -> Result<Vec<Claim>, StoreError> {
+        self.claim(
+            conn,
+            consumer,
+            envelopes,
+            store_payload,
+            InboxStatus::Processing,
+        )
+        .await
+    }
+
+    /// Like [`InboxStore::try_claim_many`], but new rows are inserted already PROCESSED, which
+    /// saves the `mark_processed` update (and its index writes) for them. Correct only when the
+    /// effect commits in this same transaction and any failure rolls it back: the row is
+    /// invisible to everyone else until then, so PROCESSED becomes visible exactly when the
+    /// effect does. Existing rows are returned as with `try_claim_many`.
+    pub async fn try_claim_many_committing(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        envelopes: &[&Envelope],
+        store_payload: bool,
+    ) -> Result<Vec<Claim>, StoreError> {
+        self.claim(
+            conn,
+            consumer,
+            envelopes,
+            store_payload,
+            InboxStatus::Processed,
+        )
+        .await
+    }
+
+    async fn claim(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        envelopes: &[&Envelope],
+        store_payload: bool,
+        status: InboxStatus,
+    ) -> Result<Vec<Claim>, StoreError> {
         let mut order: Vec<usize> = (0..envelopes.len()).collect();
         order.sort_by(|&a, &b| envelopes[a].message_id.cmp(&envelopes[b].message_id));
         let sorted = order.iter().map(|&i| envelopes[i]);
@@ -427,6 +468,7 @@ impl InboxStore {
                     .collect::<Vec<_>>(),
             )
             .bind(sorted.map(|e| e.tenant_id.as_deref()).collect::<Vec<_>>())
+            .bind(status.as_str())
             .fetch_all(&mut *conn)
             .await?;
 
