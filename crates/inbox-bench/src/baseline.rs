@@ -11,7 +11,9 @@ use lapin::{
     options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions},
     types::FieldTable,
 };
-use rabbit_inbox::{AmqpMessage, Claim, EnvelopeRules, InboxStore, SchemaName};
+use rabbit_inbox::{
+    AmqpMessage, Claim, EnvelopeRules, Failure, InboxStatus, InboxStore, SchemaName,
+};
 use sqlx::PgPool;
 
 use crate::{
@@ -107,6 +109,24 @@ pub(crate) async fn textbook(
         .map_err(|e| BenchError::Invalid(e.detail))?;
         let mut tx = pool.begin().await?;
         if store.try_claim(&mut tx, CONSUMER, &envelope, false).await? == Claim::Claimed {
+            if envelope.payload["fail"].as_bool() == Some(true) {
+                // The effect fails: roll back, record the failure in its own transaction.
+                tx.rollback().await?;
+                let failure = Failure {
+                    status: InboxStatus::PermanentFailed,
+                    code: "bench_failure",
+                    message: "marked to fail",
+                    max_attempts: 1,
+                    store_payload: false,
+                };
+                let mut conn = pool.acquire().await?;
+                store
+                    .record_failure(&mut conn, CONSUMER, &envelope, failure)
+                    .await?;
+                delivery.acker.ack(BasicAckOptions::default()).await?;
+                latency.saturating_record(received.elapsed().as_micros().max(1) as u64);
+                continue;
+            }
             let seq = envelope.payload["seq"].as_i64().unwrap_or_default();
             history
                 .insert_one(&mut tx, &envelope.message_id, seq)

@@ -59,6 +59,8 @@ pub struct BenchOptions {
     pub payload_size: usize,
     /// Share of deliveries that repeat an earlier message.
     pub duplicate_share: f64,
+    /// Share of unique messages the handlers refuse permanently (parked).
+    pub failure_share: f64,
     /// rabbit-inbox batch size (None: the library default).
     pub batch_size: Option<usize>,
     /// rabbit-inbox lanes (None: the library default).
@@ -161,11 +163,12 @@ pub async fn run(
     let library = library_config(options);
     let mut report = BenchReport {
         setup: format!(
-            "{} messages of {} bytes, {:.0}% duplicates; rabbit-inbox batch {} x {} lanes, prefetch {}; \
+            "{} messages of {} bytes, {:.0}% duplicates, {:.1}% failing; rabbit-inbox batch {} x {} lanes, prefetch {}; \
              ceiling prefetch {}, ack every {}; median of {} run(s)",
             options.messages,
             options.payload_size,
             options.duplicate_share * 100.0,
+            options.failure_share * 100.0,
             library.batch_size,
             library.lanes,
             library.prefetch,
@@ -193,6 +196,7 @@ pub async fn run(
                 options.messages,
                 options.payload_size,
                 options.duplicate_share,
+                options.failure_share,
                 round as u64 + 1,
             );
             let run = run_once(amqp_url, pool, &broker, options, *mode, &workload, 0).await?;
@@ -216,6 +220,7 @@ pub async fn run(
             options.messages,
             options.payload_size,
             options.duplicate_share,
+            options.failure_share,
             99,
         );
         let mut runs = Vec::new();
@@ -367,7 +372,7 @@ async fn run_once(
     let peak_rss_mb = rss::peak_mb();
     let exactly_once = match mode {
         Mode::Ceiling => None,
-        _ => Some(workload::exactly_once(pool, schema, workload.unique).await?),
+        _ => Some(workload::exactly_once(pool, schema, &workload).await?),
     };
     broker.delete(&topology).await?;
     Ok(Run {
@@ -422,7 +427,7 @@ async fn low_load(
     let topology = fresh_topology(broker, options, "low-load").await?;
     let count = (f64::from(options.low_load_rate) * options.low_load_duration.as_secs_f64())
         .max(1.0) as usize;
-    let workload = Workload::new(count, options.payload_size, 0.0, 7);
+    let workload = Workload::new(count, options.payload_size, 0.0, 0.0, 7);
     let mut config = library_config(options);
     config.schema = schema.clone();
     config.topology = topology.clone();
@@ -451,7 +456,7 @@ async fn low_load(
     let _ = stop.send(());
     let _ = task.await;
     let s = stats.snapshot();
-    let exactly_once = workload::exactly_once(pool, schema, workload.unique).await?;
+    let exactly_once = workload::exactly_once(pool, schema, &workload).await?;
     broker.delete(&topology).await?;
     Ok(ModeResult {
         mode: format!(

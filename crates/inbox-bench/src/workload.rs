@@ -14,24 +14,45 @@ pub(crate) const CONSUMER: &str = "bench";
 pub(crate) struct Workload {
     pub(crate) messages: Vec<OutgoingMessage>,
     pub(crate) unique: usize,
+    /// Unique messages marked to fail permanently (`"fail": true`).
+    pub(crate) failing: usize,
 }
 
 impl Workload {
     /// `count` messages of about `payload_size` bytes; a `duplicate_share` of them repeat an
     /// earlier message (same id, same body) at a random later position.
-    pub(crate) fn new(count: usize, payload_size: usize, duplicate_share: f64, seed: u64) -> Self {
+    /// A `failure_share` of the unique messages carry `"fail": true`, which the handlers
+    /// refuse permanently (spread evenly, to measure the cost of re-running a batch).
+    pub(crate) fn new(
+        count: usize,
+        payload_size: usize,
+        duplicate_share: f64,
+        failure_share: f64,
+        seed: u64,
+    ) -> Self {
         let mut rng = StdRng::seed_from_u64(seed);
         let duplicates = ((count as f64) * duplicate_share.clamp(0.0, 0.9)).round() as usize;
         let unique = count - duplicates;
+        let every = if failure_share > 0.0 {
+            (1.0 / failure_share).round().max(1.0) as usize
+        } else {
+            usize::MAX
+        };
+        let failing = if every == usize::MAX {
+            0
+        } else {
+            unique.div_ceil(every)
+        };
         let originals: Vec<OutgoingMessage> = (0..unique)
             .map(|seq| {
                 let id = format!("{seed:x}-{seq}");
-                let body = json!({"seq": seq, "id": id, "pad": ""}).to_string();
+                let fail = every != usize::MAX && seq % every == 0;
+                let body = json!({"seq": seq, "id": id, "fail": fail, "pad": ""}).to_string();
                 let pad = "x".repeat(payload_size.saturating_sub(body.len()));
                 OutgoingMessage {
                     message_id: Some(id.clone()),
                     kind: Some("BenchEvent".into()),
-                    body: json!({"seq": seq, "id": id, "pad": pad})
+                    body: json!({"seq": seq, "id": id, "fail": fail, "pad": pad})
                         .to_string()
                         .into_bytes(),
                     ..OutgoingMessage::default()
@@ -54,6 +75,7 @@ impl Workload {
         Self {
             messages: out,
             unique,
+            failing,
         }
     }
 }
@@ -93,8 +115,13 @@ impl History {
     }
 }
 
+/// The message's sequence number, or its permanent failure.
 fn seq_of(msg: &InboxMessage<'_>) -> Result<i64, HandlerError> {
-    msg.envelope().payload["seq"]
+    let payload = &msg.envelope().payload;
+    if payload["fail"].as_bool() == Some(true) {
+        return Err(HandlerError::permanent("bench_failure", "marked to fail"));
+    }
+    payload["seq"]
         .as_i64()
         .ok_or_else(|| HandlerError::permanent("no_seq", "payload has no integer seq"))
 }
@@ -155,24 +182,31 @@ pub(crate) async fn reset_schema(
     Ok(())
 }
 
-/// Every unique message applied exactly once, and PROCESSED in the inbox.
+/// Every unique message that should succeed applied exactly once and PROCESSED; every one
+/// marked to fail PERMANENT_FAILED with no effect.
 pub(crate) async fn exactly_once(
     pool: &PgPool,
     schema: &SchemaName,
-    unique: usize,
+    workload: &Workload,
 ) -> Result<bool, sqlx::Error> {
-    let (rows, distinct, processed): (i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT (SELECT count(*) FROM \"{schema}\".bench_history), \
+    let (rows, distinct, processed, failed): (i64, i64, i64, i64) =
+        sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT (SELECT count(*) FROM \"{schema}\".bench_history), \
                 (SELECT count(DISTINCT message_id) FROM \"{schema}\".bench_history), \
                 (SELECT count(*) FROM \"{schema}\".message_inbox \
                    WHERE consumer_name = $1 AND status = 'PROCESSED' \
-                     AND message_id NOT LIKE 'prefill-%')"
-    )))
-    .bind(CONSUMER)
-    .fetch_one(pool)
-    .await?;
-    let unique = unique as i64;
-    Ok(rows == unique && distinct == unique && processed == unique)
+                     AND message_id NOT LIKE 'prefill-%'), \
+                (SELECT count(*) FROM \"{schema}\".message_inbox \
+                   WHERE consumer_name = $1 AND status = 'PERMANENT_FAILED')"
+        )))
+        .bind(CONSUMER)
+        .fetch_one(pool)
+        .await?;
+    let applied = (workload.unique - workload.failing) as i64;
+    Ok(rows == applied
+        && distinct == applied
+        && processed == applied
+        && failed == workload.failing as i64)
 }
 
 /// Fills the inbox with `rows` old PROCESSED rows of the same consumer, in chunks.
@@ -213,7 +247,7 @@ mod tests {
 
     #[test]
     fn duplicates_follow_their_original() {
-        let w = Workload::new(1000, 320, 0.1, 3);
+        let w = Workload::new(1000, 320, 0.1, 0.0, 3);
         assert_eq!(w.messages.len(), 1000);
         assert_eq!(w.unique, 900);
         let mut seen = std::collections::HashSet::new();

@@ -18,6 +18,10 @@ pub(crate) struct BenchArgs {
     /// Share of deliveries that repeat an earlier message (same id and body), 0 to 0.9.
     #[arg(long, default_value_t = 0.0)]
     duplicates: f64,
+    /// Share of unique messages the handlers refuse permanently (they are parked), 0 to 0.5;
+    /// shows the cost of re-running a batch without its failing message.
+    #[arg(long, default_value_t = 0.0)]
+    failures: f64,
     /// rabbit-inbox batch size (default: the library's).
     #[arg(long)]
     batch_size: Option<usize>,
@@ -61,10 +65,14 @@ pub(crate) async fn run(servers: &Servers, args: BenchArgs) -> anyhow::Result<Ex
     if !(0.0..=0.9).contains(&args.duplicates) {
         anyhow::bail!("--duplicates must be between 0 and 0.9");
     }
+    if !(0.0..=0.5).contains(&args.failures) {
+        anyhow::bail!("--failures must be between 0 and 0.5");
+    }
     let options = inbox_bench::BenchOptions {
         messages: args.messages,
         payload_size: args.payload_size,
         duplicate_share: args.duplicates,
+        failure_share: args.failures,
         batch_size: args.batch_size,
         lanes: args.lanes,
         prefetch: args.prefetch,
