@@ -372,7 +372,7 @@ async fn run_once(
     let peak_rss_mb = rss::peak_mb();
     let exactly_once = match mode {
         Mode::Ceiling => None,
-        _ => Some(workload::exactly_once(pool, schema, &workload).await?),
+        _ => Some(workload::exactly_once(pool, schema, workload).await?),
     };
     broker.delete(&topology).await?;
     Ok(Run {

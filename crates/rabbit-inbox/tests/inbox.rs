@@ -8,13 +8,14 @@ mod util;
 use std::time::Duration;
 
 use rabbit_inbox::{
-    AmqpMessage, Claim, EnvelopeRules, InboxStatus, OutgoingMessage, PAYLOAD_CONFLICT, QueueDepths,
-    VERSION_HEADER, parking_headers,
+    AmqpMessage, Claim, EnvelopeRules, ErrorKind, InboxStatus, OutgoingMessage, PAYLOAD_CONFLICT,
+    QueueDepths, VERSION_HEADER, parking_headers,
 };
 use serde_json::json;
 use sqlx::AssertSqlSafe;
 use util::{
-    Gate, Rule, TestEnv, expected_idempotency_key, header, message, sha256, thing, wait_for,
+    BatchRule, Gate, Latch, OpenOnDrop, Rule, TestEnv, expected_idempotency_key, header, message,
+    sha256, thing, wait_for,
 };
 
 const EMPTY: QueueDepths = QueueDepths {
@@ -1052,4 +1053,466 @@ async fn batch_with_one_failing_message_commits_the_others() {
     assert_eq!(stats.parked, 1);
     assert_eq!(stats.retried, 0);
     assert_eq!(env.depths(&topology).await, EMPTY);
+}
+
+/// Publishes a message of type `kind` on aggregate `aggregate` (`x-aggregate-id`) per id.
+async fn publish_on_aggregate(
+    env: &TestEnv,
+    topology: &rabbit_inbox::Topology,
+    ids: &[String],
+    kind: &str,
+    aggregate: &str,
+) {
+    for (n, id) in (0..).zip(ids) {
+        let mut m = message(Some(id), kind, &json!({ "id": id, "n": n }));
+        m.headers
+            .insert(rabbit_inbox::AGGREGATE_ID_HEADER.into(), json!(aggregate));
+        env.publish(topology, &m).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_handler_applies_a_batch_with_one_set_based_statement() {
+    let env = TestEnv::new().await;
+    let mut config = env.config("svc", env.topology("batch-set"));
+    config.batch_size = 50;
+    // Everything is in the queue before the consumer starts; let the batches fill.
+    config.max_batch_delay = Duration::from_secs(1);
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    // 80 messages and 20 duplicates: 10 copies right behind their original (same batch, so a
+    // later round of it) and 10 more at the end (a later batch, or a later round of the same).
+    let ids: Vec<String> = (0..80).map(|i| format!("m{i:02}")).collect();
+    let mut published = Vec::new();
+    for (n, id) in (0..).zip(&ids) {
+        published.push(thing(id, n));
+        if n % 8 == 0 {
+            published.push(thing(id, n));
+        }
+    }
+    for (n, id) in (0..).zip(&ids).filter(|(n, _)| n % 8 == 4) {
+        published.push(thing(id, n));
+    }
+    assert_eq!(published.len(), 100);
+    for m in &published {
+        env.publish(&topology, m).await;
+    }
+    let (handler, plan) = env.batch_handler();
+    let consumer = env.start_batch(config, handler);
+
+    wait_for("100 deliveries settled", async || {
+        let s = consumer.snapshot();
+        s.processed + s.duplicates == 100
+    })
+    .await;
+    let stats = consumer.stop().await;
+
+    assert_eq!(
+        env.scalar("SELECT count(*) FROM {s}.effects").await,
+        80,
+        "one effect per unique message, none for the duplicates"
+    );
+    assert_eq!(
+        env.scalar("SELECT count(DISTINCT message_id) FROM {s}.effects")
+            .await,
+        80
+    );
+    assert_eq!(
+        env.scalar(
+            "SELECT count(*) FROM {s}.message_inbox WHERE status = 'PROCESSED' \
+             AND processing_attempt = 1"
+        )
+        .await,
+        80
+    );
+    assert_eq!(
+        env.scalar("SELECT count(*) FROM {s}.message_inbox WHERE delivery_count = 2")
+            .await,
+        20,
+        "each duplicate was seen by the inbox"
+    );
+    let calls = plan.calls();
+    let mut handled: Vec<&String> = calls.iter().flatten().collect();
+    assert_eq!(handled.len(), 80, "duplicates never reach the handler");
+    handled.sort();
+    handled.dedup();
+    assert_eq!(
+        handled.len(),
+        80,
+        "no message was handed to the handler twice"
+    );
+    assert!(
+        calls.len() <= 10,
+        "{} handle_batch calls for 100 messages; batch sizes {:?}",
+        calls.len(),
+        calls.iter().map(Vec::len).collect::<Vec<_>>()
+    );
+    assert_eq!(stats.received, 100);
+    assert_eq!(stats.processed, 80);
+    assert_eq!(stats.duplicates, 20);
+    assert_eq!(stats.retried + stats.parked + stats.unrecorded, 0);
+    assert_eq!(stats.settle_failures, 0);
+    assert_eq!(
+        stats.latency_samples, 100,
+        "every delivery's receipt-to-ack latency was measured once"
+    );
+    assert!(stats.latency_p99 > Duration::ZERO);
+    assert!(stats.latency_p50 <= stats.latency_p99);
+    assert_eq!(env.depths(&topology).await, EMPTY);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_handler_blaming_one_message_commits_the_rest() {
+    let env = TestEnv::new().await;
+    let mut config = env.config("svc", env.topology("batch-blame"));
+    config.batch_size = 50;
+    config.lanes = 1;
+    config.max_batch_delay = Duration::from_secs(2);
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    let ids: Vec<String> = (0..20).map(|i| format!("m{i:02}")).collect();
+    for (n, id) in (0..).zip(&ids) {
+        env.publish(&topology, &thing(id, n)).await;
+    }
+    let (handler, plan) = env.batch_handler();
+    plan.for_id("m07", BatchRule::Blame(ErrorKind::Permanent));
+    let consumer = env.start_batch(config, handler);
+
+    let parked = env.take_parked(&topology, 1).await;
+    wait_for("19 processed", async || consumer.snapshot().processed == 19).await;
+    let stats = consumer.stop().await;
+
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].message_id.as_deref(), Some("m07"));
+    assert_eq!(
+        header(&parked[0], parking_headers::ERROR_CODE),
+        Some("test_blamed")
+    );
+    assert_eq!(
+        header(&parked[0], parking_headers::STATUS),
+        Some("PERMANENT_FAILED")
+    );
+    assert_eq!(parked[0].body, thing("m07", 7).body);
+    for id in &ids {
+        let row = env.record("svc", id).await.expect("row");
+        assert_eq!(row.processing_attempt, 1, "{id}");
+        if id == "m07" {
+            assert_eq!(row.status, InboxStatus::PermanentFailed);
+            assert_eq!(row.last_error_code.as_deref(), Some("test_blamed"));
+            assert_eq!(env.effects(id).await, 0, "the blamed effect rolled back");
+        } else {
+            assert_eq!(row.status, InboxStatus::Processed, "{id}");
+            assert_eq!(env.effects(id).await, 1, "{id} applied exactly once");
+        }
+    }
+    assert_eq!(env.scalar("SELECT count(*) FROM {s}.effects").await, 19);
+
+    // The blamed batch ran again at once without m07 (one lane: calls are sequential), and m07
+    // was never handed over again.
+    let calls = plan.calls();
+    let blamed: Vec<usize> = (0..calls.len())
+        .filter(|&k| calls[k].iter().any(|id| id == "m07"))
+        .collect();
+    assert_eq!(
+        blamed.len(),
+        1,
+        "a permanent failure is not retried: {calls:?}"
+    );
+    let k = blamed[0];
+    assert!(
+        calls[k].len() > 1,
+        "m07 was blamed inside a real batch: {calls:?}"
+    );
+    let without: Vec<String> = calls[k].iter().filter(|id| *id != "m07").cloned().collect();
+    assert_eq!(
+        calls.get(k + 1),
+        Some(&without),
+        "the batch was re-run without the blamed message"
+    );
+    assert_eq!(stats.processed, 19);
+    assert_eq!(stats.parked, 1);
+    assert_eq!(stats.retried, 0);
+    assert_eq!(env.depths(&topology).await, EMPTY);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_handler_unattributed_failure_isolates_the_culprit() {
+    let env = TestEnv::new().await;
+    let mut config = env.config("svc", env.topology("batch-isolate"));
+    config.batch_size = 50;
+    config.lanes = 1;
+    config.max_batch_delay = Duration::from_secs(2);
+    config.retry.max_attempts = 3;
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    let ids: Vec<String> = (0..20).map(|i| format!("m{i:02}")).collect();
+    for (n, id) in (0..).zip(&ids) {
+        env.publish(&topology, &thing(id, n)).await;
+    }
+    // Whenever a batch holds m05 or m13, the handler fails the whole batch without saying why:
+    // permanently for m05, retryably for m13.
+    let (handler, plan) = env.batch_handler();
+    plan.for_id("m05", BatchRule::Unattributed(ErrorKind::Permanent));
+    plan.for_id("m13", BatchRule::Unattributed(ErrorKind::Retryable));
+    let consumer = env.start_batch(config, handler);
+
+    let parked = env.take_parked(&topology, 2).await;
+    wait_for("18 processed", async || consumer.snapshot().processed == 18).await;
+    let stats = consumer.stop().await;
+
+    let mut parked_ids: Vec<_> = parked.iter().filter_map(|m| m.message_id.clone()).collect();
+    parked_ids.sort();
+    assert_eq!(parked_ids, ["m05", "m13"], "only the culprits are parked");
+    for m in &parked {
+        assert_eq!(
+            header(m, parking_headers::ERROR_CODE),
+            Some("test_unattributed")
+        );
+    }
+    let perm = env.record("svc", "m05").await.expect("row");
+    assert_eq!(perm.status, InboxStatus::PermanentFailed);
+    assert_eq!(
+        perm.processing_attempt, 1,
+        "a permanent failure is not retried"
+    );
+    let poisoned = env.record("svc", "m13").await.expect("row");
+    assert_eq!(poisoned.status, InboxStatus::Poisoned);
+    assert_eq!(
+        poisoned.processing_attempt, 3,
+        "the attempt budget was spent"
+    );
+    for id in &ids {
+        if id == "m05" || id == "m13" {
+            assert_eq!(env.effects(id).await, 0, "{id}'s effect rolled back");
+            continue;
+        }
+        let row = env.record("svc", id).await.expect("row");
+        assert_eq!(row.status, InboxStatus::Processed, "{id}");
+        assert_eq!(row.processing_attempt, 1, "{id}: it was never blamed");
+        assert_eq!(env.effects(id).await, 1, "{id} applied exactly once");
+    }
+    assert_eq!(env.scalar("SELECT count(*) FROM {s}.effects").await, 18);
+
+    // The failed batch was split into one call per message, so every message it held (the
+    // innocent ones too) ran alone once; m13 then came back alone for attempts 2 and 3.
+    let calls = plan.calls();
+    let first = calls
+        .iter()
+        .position(|c| c.iter().any(|id| id == "m05"))
+        .expect("m05 was handled");
+    assert!(
+        calls[first].len() > 1,
+        "the culprit hid in a batch: {calls:?}"
+    );
+    for id in &calls[first] {
+        let alone = calls[first + 1..]
+            .iter()
+            .filter(|c| c.len() == 1 && &c[0] == id)
+            .count();
+        let expected = if id == "m13" { 3 } else { 1 };
+        assert_eq!(
+            alone, expected,
+            "{id} ran alone after the failed batch: {calls:?}"
+        );
+    }
+    let count = |id: &str| calls.iter().filter(|c| c.iter().any(|x| x == id)).count();
+    assert_eq!(count("m05"), 2, "in the batch, then alone: {calls:?}");
+    assert_eq!(stats.processed, 18);
+    assert_eq!(stats.parked, 2);
+    assert_eq!(
+        stats.retried, 2,
+        "m13 failed retryably twice before it was poisoned"
+    );
+    assert_eq!(env.depths(&topology).await, EMPTY);
+}
+
+/// Two aggregates on different lanes of one consumer (2 lanes): `(slow, fast)`.
+fn aggregates_on_two_lanes() -> (&'static str, String) {
+    let slow = "slow";
+    let fast = (0..)
+        .map(|n| format!("fast-{n}"))
+        .find(|a| util::lane_of(a, 2) != util::lane_of(slow, 2))
+        .expect("an aggregate on the other lane");
+    (slow, fast)
+}
+
+/// Lanes finish out of order: the lane holding the earlier deliveries is slow. The fast lane's
+/// multiple-ack must not cover them. The consumer's connection drops right after the fast
+/// lane's last commit, while the slow batch still runs: every delivery that was not acked
+/// returns to the queue, and that must include the slow lane's.
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multiple_ack_waits_for_a_slow_earlier_batch() {
+    let env = TestEnv::new().await;
+    let mut config = env.config("svc", env.topology("slow-lane"));
+    config.lanes = 2;
+    config.batch_size = 2;
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    let (slow_aggregate, fast_aggregate) = aggregates_on_two_lanes();
+    let (handler, plan) = env.handler();
+    let latch = std::sync::Arc::new(Latch::default());
+    let _open = OpenOnDrop(latch.clone());
+    plan.for_type("Slow", Rule::Hold(latch.clone()));
+    let consumer = env.start(config, handler);
+    consumer.faults.drop_connection_after_commit_of("f7");
+
+    // Delivery tags follow publication order: f0-f3 are 1-4, s0-s2 5-7, f4-f7 8-11.
+    let early: Vec<String> = (0..4).map(|i| format!("f{i}")).collect();
+    let slow: Vec<String> = (0..3).map(|i| format!("s{i}")).collect();
+    let late: Vec<String> = (4..8).map(|i| format!("f{i}")).collect();
+    publish_on_aggregate(&env, &topology, &early, "Thing", &fast_aggregate).await;
+    publish_on_aggregate(&env, &topology, &slow, "Slow", slow_aggregate).await;
+    wait_for("the slow batch to start", async || latch.arrivals() >= 1).await;
+    publish_on_aggregate(&env, &topology, &late, "Thing", &fast_aggregate).await;
+
+    // The fast lane commits f4-f7 (in at least two batches of two, so at least one of them
+    // was settled before the drop) while s0 holds its lane.
+    for id in early.iter().chain(&late) {
+        env.wait_for_record("svc", id, "PROCESSED", is(InboxStatus::Processed))
+            .await;
+    }
+    wait_for("the connection drop after f7's commit", async || {
+        consumer.faults.pending() == 0
+    })
+    .await;
+    for id in &slow {
+        assert_eq!(
+            env.record("svc", id).await,
+            None,
+            "{id}'s transaction has not committed"
+        );
+    }
+    assert_eq!(latch.arrivals(), 1, "s0 holds the slow lane");
+    // The closed connection returned what was not acked.
+    wait_for("unacked deliveries to return", async || {
+        env.depths(&topology).await.work > 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        env.depths(&topology).await,
+        QueueDepths {
+            work: 7,
+            retry: 0,
+            parking: 0
+        },
+        "s0-s2 were not acked (nor f4-f7, which wait behind them); f0-f3 were"
+    );
+
+    // The slow batch finishes on the dead channel; the consumer reconnects and finds all
+    // seven redeliveries committed.
+    latch.open();
+    for id in &slow {
+        env.wait_for_record("svc", id, "PROCESSED", is(InboxStatus::Processed))
+            .await;
+    }
+    wait_for("7 redeliveries acked as duplicates", async || {
+        consumer.snapshot().duplicates == 7
+    })
+    .await;
+    let stats = consumer.stop().await;
+
+    for id in early.iter().chain(&slow).chain(&late) {
+        let row = env.record("svc", id).await.expect("row");
+        assert_eq!(row.status, InboxStatus::Processed, "{id}");
+        assert_eq!(row.processing_attempt, 1, "{id}");
+        let expected = if early.contains(id) { 1 } else { 2 };
+        assert_eq!(row.delivery_count, expected, "{id}: deliveries");
+        assert_eq!(env.effects(id).await, 1, "{id} applied exactly once");
+    }
+    assert_eq!(stats.processed, 11);
+    assert_eq!(stats.duplicates, 7);
+    assert_eq!(stats.sessions, 2, "{stats:?}");
+    assert!(
+        stats.settle_failures >= 3,
+        "the slow batch could not be acked on the dropped connection: {stats:?}"
+    );
+    assert_eq!(env.depths(&topology).await, EMPTY);
+}
+
+/// The same out-of-order completion without a crash: the fast lane's acks wait behind the
+/// slow lane's earlier deliveries and go out with the slow lane's multiple-ack when it
+/// finishes, in the same session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_acks_go_out_when_the_slow_earlier_batch_finishes() {
+    let env = TestEnv::new().await;
+    let mut config = env.config("svc", env.topology("slow-lane-ok"));
+    config.lanes = 2;
+    config.batch_size = 2;
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    let (slow_aggregate, fast_aggregate) = aggregates_on_two_lanes();
+    let (handler, plan) = env.handler();
+    let latch = std::sync::Arc::new(Latch::default());
+    let _open = OpenOnDrop(latch.clone());
+    plan.for_type("Slow", Rule::Hold(latch.clone()));
+    let consumer = env.start(config, handler);
+
+    let early: Vec<String> = (0..4).map(|i| format!("f{i}")).collect();
+    let slow: Vec<String> = (0..3).map(|i| format!("s{i}")).collect();
+    let late: Vec<String> = (4..8).map(|i| format!("f{i}")).collect();
+    publish_on_aggregate(&env, &topology, &early, "Thing", &fast_aggregate).await;
+    publish_on_aggregate(&env, &topology, &slow, "Slow", slow_aggregate).await;
+    wait_for("the slow batch to start", async || latch.arrivals() >= 1).await;
+    let held_since = tokio::time::Instant::now();
+    publish_on_aggregate(&env, &topology, &late, "Thing", &fast_aggregate).await;
+    wait_for("the fast lane to commit all 8", async || {
+        consumer.snapshot().processed == 8
+    })
+    .await;
+
+    // The broker's view, where rabbitmqctl can see this broker: s0-s2 and f4-f7 unacked.
+    if let Some((ready, _)) = util::rabbitmqctl_counts(&topology.queue).await {
+        assert_eq!(ready, 0);
+        wait_for(
+            "s0-s2 and f4-f7 to be the only unacked deliveries",
+            async || util::rabbitmqctl_counts(&topology.queue).await == Some((0, 7)),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            util::rabbitmqctl_counts(&topology.queue).await,
+            Some((0, 7)),
+            "the fast lane's later acks stay behind the slow lane's deliveries"
+        );
+    } else {
+        eprintln!("rabbitmqctl cannot see the test broker; skipping the unacked count");
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let held_for = held_since.elapsed();
+    latch.open();
+    wait_for("all 11 processed", async || {
+        consumer.snapshot().processed == 11
+    })
+    .await;
+    if util::rabbitmqctl_counts(&topology.queue).await.is_some() {
+        wait_for("every delivery acked", async || {
+            util::rabbitmqctl_counts(&topology.queue).await == Some((0, 0))
+        })
+        .await;
+    }
+    let stats = consumer.stop().await;
+
+    for id in early.iter().chain(&slow).chain(&late) {
+        let row = env.record("svc", id).await.expect("row");
+        assert_eq!(row.status, InboxStatus::Processed, "{id}");
+        assert_eq!(row.delivery_count, 1, "{id} was never redelivered");
+        assert_eq!(env.effects(id).await, 1, "{id} applied exactly once");
+    }
+    assert_eq!(stats.sessions, 1);
+    assert_eq!(stats.duplicates, 0);
+    assert_eq!(stats.settle_failures, 0);
+    // The consumer closed its connection: anything left unacked would be ready again.
+    assert_eq!(
+        env.depths(&topology).await,
+        EMPTY,
+        "every delivery was acked"
+    );
+    assert_eq!(stats.latency_samples, 11, "one latency per acked delivery");
+    assert!(
+        stats.latency_p99 >= held_for,
+        "the held deliveries' latency includes the wait: p99 {:?}, held {held_for:?}",
+        stats.latency_p99
+    );
 }

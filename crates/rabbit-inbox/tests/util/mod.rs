@@ -17,13 +17,17 @@ use std::{
 };
 
 use rabbit_inbox::{
-    AmqpMessage, Broker, Consumer, ConsumerConfig, ConsumerError, ConsumerStats, Handler,
-    HandlerError, InboxMessage, InboxRecord, InboxStore, OutgoingMessage, QueueDepths, SchemaName,
-    StatsSnapshot, Topology,
+    AmqpMessage, BatchError, BatchHandler, Broker, Consumer, ConsumerConfig, ConsumerError,
+    ConsumerStats, ErrorKind, Handler, HandlerError, InboxMessage, InboxRecord, InboxStore,
+    OutgoingMessage, QueueDepths, SchemaName, StatsSnapshot, Topology,
 };
 use serde_json::{Map, Value};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, postgres::PgPoolOptions};
-use tokio::{sync::Notify, task::JoinHandle, time::Instant};
+use tokio::{
+    sync::{Notify, watch},
+    task::JoinHandle,
+    time::Instant,
+};
 
 /// How long any wait for a condition may take before the test fails.
 pub(crate) const DEADLINE: Duration = Duration::from_secs(30);
@@ -348,24 +352,32 @@ impl TestEnv {
         config: ConsumerConfig,
         handler: H,
     ) -> Running {
-        let consumer = Consumer::new(amqp_url(), pool, config, handler).expect("valid config");
-        let stats = consumer.stats();
-        #[cfg(feature = "fault-injection")]
-        let faults = consumer.faults();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(consumer.run(async move {
-            // A dropped sender (a panicking test) stops the consumer too.
-            let _ = stopped.await;
-        }));
-        Running {
-            stop: Some(stop),
-            task: Some(task),
-            stats,
-            #[cfg(feature = "fault-injection")]
-            faults,
-        }
+        Running::spawn(Consumer::new(amqp_url(), pool, config, handler).expect("valid config"))
     }
 
+    /// Starts a consumer with a batch handler on this environment's pool.
+    pub(crate) fn start_batch<H: BatchHandler>(
+        &self,
+        config: ConsumerConfig,
+        handler: H,
+    ) -> Running {
+        Running::spawn(
+            Consumer::with_batch_handler(amqp_url(), self.pool.clone(), config, handler)
+                .expect("valid config"),
+        )
+    }
+
+    /// A test batch handler writing to this schema, and its plan and call log.
+    pub(crate) fn batch_handler(&self) -> (TestBatchHandler, Arc<BatchPlan>) {
+        let plan = Arc::new(BatchPlan::default());
+        (
+            TestBatchHandler {
+                schema: self.schema.clone(),
+                plan: plan.clone(),
+            },
+            plan,
+        )
+    }
     /// The inbox row of `message_id` for `consumer`.
     pub(crate) async fn record(&self, consumer: &str, message_id: &str) -> Option<InboxRecord> {
         let mut conn = self.pool.acquire().await.expect("connection");
@@ -439,6 +451,25 @@ pub(crate) struct Running {
 }
 
 impl Running {
+    /// Runs `consumer` in a task.
+    fn spawn<H: BatchHandler>(consumer: Consumer<H>) -> Self {
+        let stats = consumer.stats();
+        #[cfg(feature = "fault-injection")]
+        let faults = consumer.faults();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(consumer.run(async move {
+            // A dropped sender (a panicking test) stops the consumer too.
+            let _ = stopped.await;
+        }));
+        Running {
+            stop: Some(stop),
+            task: Some(task),
+            stats,
+            #[cfg(feature = "fault-injection")]
+            faults,
+        }
+    }
+
     pub(crate) fn snapshot(&self) -> StatsSnapshot {
         self.stats.snapshot()
     }
@@ -471,6 +502,8 @@ pub(crate) enum Rule {
     FailAttempts(i32),
     /// Signal `entered`, wait for `release`, then fail retryably. Used once.
     Gate(Arc<Gate>),
+    /// Wait until the latch is open, then succeed. Holds every matching message.
+    Hold(Arc<Latch>),
 }
 
 /// A rendezvous with a handler call, see [`Rule::Gate`].
@@ -478,6 +511,94 @@ pub(crate) enum Rule {
 pub(crate) struct Gate {
     pub(crate) entered: Notify,
     pub(crate) release: Notify,
+}
+
+/// A latch handler calls wait at (see [`Rule::Hold`]) until the test opens it.
+#[derive(Debug)]
+pub(crate) struct Latch {
+    open: watch::Sender<bool>,
+    arrivals: AtomicU64,
+}
+
+impl Default for Latch {
+    fn default() -> Self {
+        Self {
+            open: watch::Sender::new(false),
+            arrivals: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Latch {
+    /// Lets every waiting and future call through.
+    pub(crate) fn open(&self) {
+        self.open.send_replace(true);
+    }
+
+    /// How many handler calls have reached the latch so far.
+    pub(crate) fn arrivals(&self) -> u64 {
+        self.arrivals.load(Ordering::SeqCst)
+    }
+
+    async fn pass(&self) {
+        self.arrivals.fetch_add(1, Ordering::SeqCst);
+        let mut open = self.open.subscribe();
+        let _ = open.wait_for(|o| *o).await;
+    }
+}
+
+/// Opens a latch when dropped, so a failing test does not leave a handler holding a transaction
+/// (and its locks) while the cleanup drops the schema.
+pub(crate) struct OpenOnDrop(pub(crate) Arc<Latch>);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
+/// The lane the consumer assigns to a message with lane key `key` (its aggregate id, else its
+/// dedup key) out of `lanes`. Mirrors the consumer's hashing (`DefaultHasher` over the key), so
+/// a test can put two aggregates on different lanes.
+pub(crate) fn lane_of(key: &str, lanes: usize) -> usize {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut h = DefaultHasher::new();
+    key.hash(&mut h);
+    (h.finish() % lanes as u64) as usize
+}
+
+/// `(messages_ready, messages_unacknowledged)` of `queue` as the broker reports them through
+/// `rabbitmqctl`; `None` when `rabbitmqctl` cannot run here or does not list the queue (e.g.
+/// RabbitMQ runs in a container or `AMQP_URL` points elsewhere).
+pub(crate) async fn rabbitmqctl_counts(queue: &str) -> Option<(u64, u64)> {
+    let queue = queue.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let out = std::process::Command::new("rabbitmqctl")
+            .args([
+                "-q",
+                "list_queues",
+                "name",
+                "messages_ready",
+                "messages_unacknowledged",
+            ])
+            .output()
+            .ok()?;
+        if !out.status.success() {
+            return None;
+        }
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find_map(|line| {
+                let mut cols = line.split('\t');
+                if cols.next()? != queue {
+                    return None;
+                }
+                Some((cols.next()?.parse().ok()?, cols.next()?.parse().ok()?))
+            })
+    })
+    .await
+    .ok()
+    .flatten()
 }
 
 /// Failure rules of a [`TestHandler`], changeable while it runs.
@@ -593,6 +714,116 @@ impl Handler for TestHandler {
                     "planned failure after the gate opened",
                 ))
             }
+            Some(Rule::Hold(latch)) => {
+                latch.pass().await;
+                Ok(())
+            }
+        }
+    }
+}
+
+/// How the test batch handler fails a batch that holds a message.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum BatchRule {
+    /// Blame the message: `BatchError::Message` with its index (code `test_blamed`).
+    Blame(ErrorKind),
+    /// Fail the whole batch without saying why: `BatchError::Batch` (code `test_unattributed`).
+    Unattributed(ErrorKind),
+}
+
+/// Failure rules and call log of a [`TestBatchHandler`].
+#[derive(Debug, Default)]
+pub(crate) struct BatchPlan {
+    rules: Mutex<HashMap<String, BatchRule>>,
+    calls: Mutex<Vec<Vec<String>>>,
+}
+
+impl BatchPlan {
+    pub(crate) fn for_id(&self, message_id: &str, rule: BatchRule) {
+        lock(&self.rules).insert(message_id.to_owned(), rule);
+    }
+
+    /// The message ids of every `handle_batch` call, in call order.
+    pub(crate) fn calls(&self) -> Vec<Vec<String>> {
+        lock(&self.calls).clone()
+    }
+
+    /// The failure for a batch: by the rule of its first message that has one.
+    fn failure(&self, msgs: &[InboxMessage<'_>]) -> Option<BatchError> {
+        let rules = lock(&self.rules);
+        msgs.iter().enumerate().find_map(|(index, msg)| {
+            let error = |kind, code: &'static str, text: String| match kind {
+                ErrorKind::Retryable => HandlerError::retryable(code, text),
+                ErrorKind::Permanent => HandlerError::permanent(code, text),
+            };
+            Some(match *rules.get(msg.message_id())? {
+                BatchRule::Blame(kind) => BatchError::Message {
+                    index,
+                    error: error(
+                        kind,
+                        "test_blamed",
+                        format!("planned failure of {}", msg.message_id()),
+                    ),
+                },
+                BatchRule::Unattributed(kind) => BatchError::Batch(error(
+                    kind,
+                    "test_unattributed",
+                    format!("planned failure of a batch of {}", msgs.len()),
+                )),
+            })
+        })
+    }
+}
+
+/// Applies a whole batch with one set-based statement (`INSERT .. SELECT FROM UNNEST(..)`),
+/// one `effects` row per message, then fails as its [`BatchPlan`] says, so a failure must roll
+/// the effects back. Logs every call's message ids.
+#[derive(Clone)]
+pub(crate) struct TestBatchHandler {
+    schema: SchemaName,
+    plan: Arc<BatchPlan>,
+}
+
+impl BatchHandler for TestBatchHandler {
+    async fn handle_batch(
+        &self,
+        msgs: &[InboxMessage<'_>],
+        tx: &mut PgConnection,
+    ) -> Result<(), BatchError> {
+        lock(&self.plan.calls).push(msgs.iter().map(|m| m.message_id().to_owned()).collect());
+        let ids: Vec<&str> = msgs.iter().map(|m| m.message_id()).collect();
+        let types: Vec<&str> = msgs.iter().map(|m| m.message_type()).collect();
+        let attempts: Vec<i32> = msgs.iter().map(|m| m.attempt()).collect();
+        let bodies: Vec<String> = msgs
+            .iter()
+            .map(|m| String::from_utf8_lossy(&m.envelope().body).into_owned())
+            .collect();
+        let consumer = msgs.first().map_or("", |m| m.consumer_name());
+        let s = &self.schema;
+        let inserted = sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO \"{s}\".effects (message_id, consumer_name, message_type, attempt, body) \
+             SELECT u.message_id, $5, u.message_type, u.attempt, u.body \
+             FROM UNNEST($1::text[], $2::text[], $3::int4[], $4::text[]) \
+               AS u(message_id, message_type, attempt, body)"
+        )))
+        .bind(&ids)
+        .bind(&types)
+        .bind(&attempts)
+        .bind(&bodies)
+        .bind(consumer)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| BatchError::Batch(e.into()))?
+        .rows_affected();
+        if inserted != msgs.len() as u64 {
+            return Err(BatchError::Batch(HandlerError::permanent(
+                "test_short_insert",
+                format!("inserted {inserted} effects for {} messages", msgs.len()),
+            )));
+        }
+        match self.plan.failure(msgs) {
+            Some(error) => Err(error),
+            None => Ok(()),
         }
     }
 }
