@@ -4,7 +4,7 @@
 //! exactly-once after every run. `inboxctl bench` is its command line.
 
 mod baseline;
-mod rss;
+mod procfs;
 mod workload;
 
 use std::{
@@ -16,6 +16,7 @@ use rabbit_inbox::{Broker, Consumer, ConsumerConfig, ConsumerStats, SchemaName, 
 use serde::Serialize;
 use sqlx::PgPool;
 
+pub use procfs::CpuShare;
 use workload::{BatchEffect, History, PerMessageEffect, Workload};
 
 /// Why a benchmark could not run.
@@ -102,6 +103,8 @@ pub struct ModeResult {
     pub peak_rss_mb: f64,
     /// Exactly-once check from the database (None where no database is involved).
     pub exactly_once: Option<bool>,
+    /// Where the CPU went: milliseconds per 1000 messages (median of the runs).
+    pub cpu_ms_per_1k: CpuShare,
 }
 
 /// All figures of a benchmark.
@@ -143,6 +146,7 @@ impl Mode {
 
 struct Run {
     elapsed: Duration,
+    cpu: CpuShare,
     p50: Duration,
     p99: Duration,
     peak_rss_mb: f64,
@@ -313,7 +317,8 @@ async fn run_once(
     let count = workload.messages.len();
     let timeout = Duration::from_secs(600);
 
-    rss::reset_peak();
+    procfs::reset_peak();
+    let cpu_before = procfs::CpuTicks::now();
     let started = Instant::now();
     let (p50, p99) = match mode {
         Mode::Ceiling => {
@@ -369,7 +374,8 @@ async fn run_once(
         }
     };
     let elapsed = started.elapsed();
-    let peak_rss_mb = rss::peak_mb();
+    let cpu = procfs::CpuTicks::now().per_thousand(cpu_before, count);
+    let peak_rss_mb = procfs::peak_mb();
     let exactly_once = match mode {
         Mode::Ceiling => None,
         _ => Some(workload::exactly_once(pool, schema, workload).await?),
@@ -377,6 +383,7 @@ async fn run_once(
     broker.delete(&topology).await?;
     Ok(Run {
         elapsed,
+        cpu,
         p50: Duration::from_micros(p50),
         p99: Duration::from_micros(p99),
         peak_rss_mb,
@@ -442,7 +449,7 @@ async fn low_load(
     let task = tokio::spawn(consumer.run(async {
         let _ = stopped.await;
     }));
-    rss::reset_peak();
+    procfs::reset_peak();
     let interval = Duration::from_secs_f64(1.0 / f64::from(options.low_load_rate));
     let mut ticker = tokio::time::interval(interval);
     for m in &workload.messages {
@@ -466,8 +473,9 @@ async fn low_load(
         msgs_per_s: f64::from(options.low_load_rate),
         p50_ms: ms(s.latency_p50),
         p99_ms: ms(s.latency_p99),
-        peak_rss_mb: rss::peak_mb(),
+        peak_rss_mb: procfs::peak_mb(),
         exactly_once: Some(exactly_once && s.latency_samples >= count as u64),
+        cpu_ms_per_1k: CpuShare::default(),
     })
 }
 
@@ -499,6 +507,11 @@ fn summarize(mode: String, messages: usize, runs: Vec<Run>) -> ModeResult {
             .iter()
             .map(|r| r.exactly_once)
             .try_fold(true, |acc, e| e.map(|e| acc && e)),
+        cpu_ms_per_1k: CpuShare {
+            consumer: median(runs.iter().map(|r| r.cpu.consumer).collect()),
+            postgres: median(runs.iter().map(|r| r.cpu.postgres).collect()),
+            broker: median(runs.iter().map(|r| r.cpu.broker).collect()),
+        },
     }
 }
 
@@ -548,7 +561,7 @@ impl fmt::Display for BenchReport {
         writeln!(f, "{}", self.setup)?;
         writeln!(
             f,
-            "| {:<62} | {:>9} | {:>10} | {:>11} | {:>7} | {:>7} | {:>8} | {:>12} |",
+            "| {:<62} | {:>9} | {:>10} | {:>11} | {:>7} | {:>7} | {:>8} | {:>12} | {:>22} |",
             "mode",
             "msgs/s",
             "x ceiling",
@@ -556,11 +569,12 @@ impl fmt::Display for BenchReport {
             "p50 ms",
             "p99 ms",
             "peak MiB",
-            "exactly-once"
+            "exactly-once",
+            "cpu ms/1k: app/pg/mq"
         )?;
         writeln!(
             f,
-            "|{}|{}|{}|{}|{}|{}|{}|{}|",
+            "|{}|{}|{}|{}|{}|{}|{}|{}|{}|",
             "-".repeat(64),
             "-".repeat(11),
             "-".repeat(12),
@@ -568,7 +582,8 @@ impl fmt::Display for BenchReport {
             "-".repeat(9),
             "-".repeat(9),
             "-".repeat(10),
-            "-".repeat(14)
+            "-".repeat(14),
+            "-".repeat(24)
         )?;
         for m in &self.modes {
             let ratio = |base: f64| {
@@ -580,7 +595,7 @@ impl fmt::Display for BenchReport {
             };
             writeln!(
                 f,
-                "| {:<62} | {:>9.0} | {:>10} | {:>11} | {:>7.2} | {:>7.2} | {:>8.1} | {:>12} |",
+                "| {:<62} | {:>9.0} | {:>10} | {:>11} | {:>7.2} | {:>7.2} | {:>8.1} | {:>12} | {:>22} |",
                 m.mode,
                 m.msgs_per_s,
                 ratio(ceiling),
@@ -592,7 +607,11 @@ impl fmt::Display for BenchReport {
                     None => "n/a",
                     Some(true) => "yes",
                     Some(false) => "NO",
-                }
+                },
+                format!(
+                    "{:.0} / {:.0} / {:.0}",
+                    m.cpu_ms_per_1k.consumer, m.cpu_ms_per_1k.postgres, m.cpu_ms_per_1k.broker
+                )
             )?;
         }
         Ok(())

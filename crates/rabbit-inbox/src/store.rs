@@ -156,6 +156,10 @@ pub struct InboxStore {
 
 /// Statements, built once per store. The only spliced text is the schema name, which
 /// [`SchemaName`] has validated; values are always bound.
+///
+/// Lookups by key run as unnamed (re-planned) statements: a prepared plan made while the
+/// table was small can stay a sequential scan after it has grown to millions of rows.
+/// The claim insert has no such choice to make and stays prepared.
 #[derive(Debug)]
 struct Sql {
     claim: SqlStr,
@@ -481,6 +485,7 @@ impl InboxStore {
         let mut existing = Vec::new();
         if !existing_ids.is_empty() {
             for row in sqlx::query(self.sql.lock_existing.clone())
+                .persistent(false)
                 .bind(consumer)
                 .bind(&existing_ids)
                 .fetch_all(&mut *conn)
@@ -520,6 +525,7 @@ impl InboxStore {
         message_id: &str,
     ) -> Result<Option<InboxRecord>, StoreError> {
         let row = sqlx::query(self.sql.find.clone())
+            .persistent(false)
             .bind(consumer)
             .bind(message_id)
             .fetch_optional(conn)
@@ -535,6 +541,7 @@ impl InboxStore {
         message_id: &str,
     ) -> Result<Option<(Option<Vec<u8>>, serde_json::Value)>, StoreError> {
         let row = sqlx::query(self.sql.find_payload.clone())
+            .persistent(false)
             .bind(consumer)
             .bind(message_id)
             .fetch_optional(conn)
@@ -553,6 +560,7 @@ impl InboxStore {
         message_ids: &[&str],
     ) -> Result<Vec<(String, i32)>, StoreError> {
         Ok(sqlx::query_as(self.sql.reclaim.clone())
+            .persistent(false)
             .bind(consumer)
             .bind(message_ids)
             .fetch_all(conn)
@@ -570,6 +578,7 @@ impl InboxStore {
             return Ok(());
         }
         sqlx::query(self.sql.note_redeliveries.clone())
+            .persistent(false)
             .bind(consumer)
             .bind(
                 redeliveries
@@ -598,6 +607,7 @@ impl InboxStore {
         keep_payload: bool,
     ) -> Result<u64, StoreError> {
         Ok(sqlx::query(self.sql.mark_processed.clone())
+            .persistent(false)
             .bind(consumer)
             .bind(message_ids)
             .bind(keep_payload)
@@ -655,6 +665,7 @@ impl InboxStore {
         limit: i64,
     ) -> Result<Vec<InboxRecord>, StoreError> {
         sqlx::query(self.sql.find_stale.clone())
+            .persistent(false)
             .bind(consumer)
             .bind(older_than.as_secs_f64())
             .bind(limit)
@@ -676,6 +687,7 @@ impl InboxStore {
         limit: i64,
     ) -> Result<u64, StoreError> {
         Ok(sqlx::query(self.sql.cleanup.clone())
+            .persistent(false)
             .bind(consumer)
             .bind(older_than.as_secs_f64())
             .bind(limit)
