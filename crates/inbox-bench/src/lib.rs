@@ -404,13 +404,13 @@ async fn drive<H: rabbit_inbox::BatchHandler>(
         let _ = stopped.await;
     }));
     let deadline = Instant::now() + timeout;
-    while stats.snapshot().latency_samples < count {
+    while stats.settled() < count {
         if task.is_finished() || Instant::now() > deadline {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let done = stats.snapshot().latency_samples >= count;
+    let done = stats.settled() >= count;
     let _ = stop.send(());
     match task.await {
         Ok(result) => result?,
@@ -457,7 +457,7 @@ async fn low_load(
         broker.publish("", &topology.queue, m).await?;
     }
     let deadline = Instant::now() + Duration::from_secs(30);
-    while stats.snapshot().latency_samples < count as u64 && Instant::now() < deadline {
+    while stats.settled() < count as u64 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let _ = stop.send(());

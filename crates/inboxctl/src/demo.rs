@@ -27,15 +27,15 @@ pub(crate) struct DemoArgs {
     /// Work queue of the demo (recreated at the start, with `.retry` and `.parking-lot`).
     #[arg(long, default_value = "inbox-demo")]
     queue: String,
-    /// Deliveries per transaction.
-    #[arg(long, default_value_t = 50)]
-    batch_size: usize,
-    /// Transactions in flight.
-    #[arg(long, default_value_t = 2)]
-    lanes: usize,
-    /// Unacked deliveries the broker may push.
-    #[arg(long, default_value_t = 200)]
-    prefetch: u16,
+    /// Deliveries per transaction [default: the library's]
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Transactions in flight [default: the library's]
+    #[arg(long)]
+    lanes: Option<usize>,
+    /// Unacked deliveries the broker may push [default: the library's]
+    #[arg(long)]
+    prefetch: Option<u16>,
     /// Give up waiting for the stream to settle after this many seconds.
     #[arg(long, default_value_t = 180)]
     timeout_secs: u64,
@@ -45,9 +45,9 @@ pub(crate) async fn run(servers: &Servers, args: DemoArgs) -> anyhow::Result<Exi
     let schema = SchemaName::new(&args.schema)?;
     let exchange = format!("{}.orders", args.queue);
     let mut config = order_service::config(schema.clone(), &args.queue, &exchange);
-    config.batch_size = args.batch_size;
-    config.lanes = args.lanes;
-    config.prefetch = args.prefetch;
+    config.batch_size = args.batch_size.unwrap_or(config.batch_size);
+    config.lanes = args.lanes.unwrap_or(config.lanes);
+    config.prefetch = args.prefetch.unwrap_or(config.prefetch);
     config.validate()?;
     let seed = args.seed.unwrap_or_else(rand::random);
 
@@ -67,7 +67,7 @@ pub(crate) async fn run(servers: &Servers, args: DemoArgs) -> anyhow::Result<Exi
     let scenario = Scenario::generate(args.orders, seed);
     println!(
         "rabbit-inbox demo: seed {seed}, {} orders, batch {} x {} lanes, prefetch {}",
-        args.orders, args.batch_size, args.lanes, args.prefetch
+        args.orders, config.batch_size, config.lanes, config.prefetch
     );
     let started = Instant::now();
     publish_all(&broker, &exchange, &scenario.messages).await?;

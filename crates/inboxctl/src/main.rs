@@ -93,24 +93,24 @@ pub(crate) struct ServiceArgs {
     /// Exchange producers publish to.
     #[arg(long, default_value = order_service::EXCHANGE)]
     pub(crate) exchange: String,
-    /// Deliveries per transaction (1 = one transaction per message).
-    #[arg(long, default_value_t = 50)]
-    pub(crate) batch_size: usize,
-    /// Transactions in flight.
-    #[arg(long, default_value_t = 2)]
-    pub(crate) lanes: usize,
-    /// Unacked deliveries the broker may push.
-    #[arg(long, default_value_t = 200)]
-    pub(crate) prefetch: u16,
+    /// Deliveries per transaction, 1 = one transaction per message [default: the library's]
+    #[arg(long)]
+    pub(crate) batch_size: Option<usize>,
+    /// Transactions in flight [default: the library's]
+    #[arg(long)]
+    pub(crate) lanes: Option<usize>,
+    /// Unacked deliveries the broker may push [default: the library's]
+    #[arg(long)]
+    pub(crate) prefetch: Option<u16>,
 }
 
 impl ServiceArgs {
     pub(crate) fn config(&self) -> anyhow::Result<rabbit_inbox::ConsumerConfig> {
         let mut config =
             order_service::config(SchemaName::new(&self.schema)?, &self.queue, &self.exchange);
-        config.batch_size = self.batch_size;
-        config.lanes = self.lanes;
-        config.prefetch = self.prefetch;
+        config.batch_size = self.batch_size.unwrap_or(config.batch_size);
+        config.lanes = self.lanes.unwrap_or(config.lanes);
+        config.prefetch = self.prefetch.unwrap_or(config.prefetch);
         config.validate()?;
         Ok(config)
     }

@@ -27,6 +27,7 @@ pub struct ConsumerStats {
     parked: AtomicU64,
     unrecorded: AtomicU64,
     settle_failures: AtomicU64,
+    settled: AtomicU64,
     sessions: AtomicU64,
 }
 
@@ -68,6 +69,7 @@ impl Default for ConsumerStats {
             parked: AtomicU64::default(),
             unrecorded: AtomicU64::default(),
             settle_failures: AtomicU64::default(),
+            settled: AtomicU64::default(),
             sessions: AtomicU64::default(),
         }
     }
@@ -100,6 +102,7 @@ impl ConsumerStats {
     }
 
     pub(crate) fn record_latency(&self, latency: Duration) {
+        self.settled.fetch_add(1, Relaxed);
         let micros = u64::try_from(latency.as_micros())
             .unwrap_or(u64::MAX)
             .max(1);
@@ -129,6 +132,12 @@ impl ConsumerStats {
 
     pub(crate) fn record_session(&self) {
         self.sessions.fetch_add(1, Relaxed);
+    }
+
+    /// Deliveries settled with the broker (acked, rejected into the retry queue, parked,
+    /// requeued). Cheaper than [`ConsumerStats::snapshot`], for polling.
+    pub fn settled(&self) -> u64 {
+        self.settled.load(Relaxed)
     }
 
     /// Reads all counters.
