@@ -602,7 +602,7 @@ impl Settler {
             let individual = settle_one(pending, outcome, envelope, &self.parking);
             match tokio::time::timeout(SETTLE_TIMEOUT, individual).await {
                 Ok(Ok(true)) => {
-                    stats.record_latency(received_at.elapsed());
+                    stats.record_latencies([received_at.elapsed()]);
                     settled.push(tag);
                 }
                 // Left pending on purpose: no later multiple-ack may cover it.
@@ -620,9 +620,13 @@ impl Settler {
                 .basic_ack(through, BasicAckOptions { multiple: true });
             match tokio::time::timeout(SETTLE_TIMEOUT, ack).await {
                 Ok(Ok(())) => {
-                    for at in state.take_through(through) {
-                        stats.record_latency(at.elapsed());
-                    }
+                    let now = Instant::now();
+                    stats.record_latencies(
+                        state
+                            .take_through(through)
+                            .into_iter()
+                            .map(|at| now.duration_since(at)),
+                    );
                 }
                 result => {
                     tracing::debug!(through, ?result, "multiple-ack failed");
@@ -630,8 +634,8 @@ impl Settler {
                 }
             }
         }
-        for _ in 0..unsettled {
-            stats.record_settle_failure();
+        if unsettled > 0 {
+            stats.record_settle_failures(unsettled as u64);
         }
         unsettled
     }

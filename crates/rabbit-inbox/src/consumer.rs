@@ -305,14 +305,10 @@ async fn lane<H: BatchHandler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>
             unrecorded_delay = initial;
         }
 
-        for outcome in &outcomes {
-            ctx.stats.record_outcome(&ctx.consumer, outcome);
-        }
+        ctx.stats.record_outcomes(&ctx.consumer, &outcomes);
         let unsettled = if crashed {
             // Nothing of this batch is settled, as in a crash.
-            for _ in &outcomes {
-                ctx.stats.record_settle_failure();
-            }
+            ctx.stats.record_settle_failures(outcomes.len() as u64);
             outcomes.len()
         } else {
             let batch = pendings

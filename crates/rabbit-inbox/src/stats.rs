@@ -81,41 +81,56 @@ impl ConsumerStats {
         metrics::counter!("rabbit_inbox_received_total").increment(n);
     }
 
-    pub(crate) fn record_outcome(&self, consumer: &str, outcome: &Outcome) {
-        let (counter, label) = match outcome {
-            Outcome::Processed => (&self.processed, "processed"),
-            Outcome::Duplicate => (&self.duplicates, "duplicate"),
-            Outcome::RetryScheduled { .. } | Outcome::InFlightElsewhere => {
-                (&self.retried, "retried")
-            }
-            Outcome::Parked { .. } => (&self.parked, "parked"),
-            Outcome::Unrecorded { .. } => (&self.unrecorded, "unrecorded"),
-        };
-        counter.fetch_add(1, Relaxed);
-        metrics::counter!("rabbit_inbox_outcomes_total", "consumer" => consumer.to_owned(), "outcome" => label)
-            .increment(1);
-    }
-
-    pub(crate) fn record_settle_failure(&self) {
-        self.settle_failures.fetch_add(1, Relaxed);
-        metrics::counter!("rabbit_inbox_settle_failures_total").increment(1);
-    }
-
-    pub(crate) fn record_latency(&self, latency: Duration) {
-        self.settled.fetch_add(1, Relaxed);
-        let micros = u64::try_from(latency.as_micros())
-            .unwrap_or(u64::MAX)
-            .max(1);
-        if let Some(h) = self
-            .latency
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_mut()
-        {
-            h.saturating_record(micros);
+    /// Counts a batch's outcomes: one metrics update per kind, not per message.
+    pub(crate) fn record_outcomes(&self, consumer: &str, outcomes: &[Outcome]) {
+        let mut counts = [0u64; 5];
+        for outcome in outcomes {
+            counts[match outcome {
+                Outcome::Processed => 0,
+                Outcome::Duplicate => 1,
+                Outcome::RetryScheduled { .. } | Outcome::InFlightElsewhere => 2,
+                Outcome::Parked { .. } => 3,
+                Outcome::Unrecorded { .. } => 4,
+            }] += 1;
         }
-        metrics::histogram!("rabbit_inbox_delivery_to_settle_seconds")
-            .record(latency.as_secs_f64());
+        let kinds = [
+            (&self.processed, "processed"),
+            (&self.duplicates, "duplicate"),
+            (&self.retried, "retried"),
+            (&self.parked, "parked"),
+            (&self.unrecorded, "unrecorded"),
+        ];
+        for ((counter, label), n) in kinds.into_iter().zip(counts) {
+            if n > 0 {
+                counter.fetch_add(n, Relaxed);
+                metrics::counter!("rabbit_inbox_outcomes_total", "consumer" => consumer.to_owned(), "outcome" => label)
+                    .increment(n);
+            }
+        }
+    }
+
+    pub(crate) fn record_settle_failures(&self, n: u64) {
+        self.settle_failures.fetch_add(n, Relaxed);
+        metrics::counter!("rabbit_inbox_settle_failures_total").increment(n);
+    }
+
+    /// Records the delivery-to-settlement latency of settled deliveries, under one lock.
+    pub(crate) fn record_latencies(&self, latencies: impl IntoIterator<Item = Duration>) {
+        let mut guard = self.latency.lock().unwrap_or_else(PoisonError::into_inner);
+        let histogram = metrics::histogram!("rabbit_inbox_delivery_to_settle_seconds");
+        let mut n = 0;
+        for latency in latencies {
+            n += 1;
+            if let Some(h) = guard.as_mut() {
+                h.saturating_record(
+                    u64::try_from(latency.as_micros())
+                        .unwrap_or(u64::MAX)
+                        .max(1),
+                );
+            }
+            histogram.record(latency.as_secs_f64());
+        }
+        self.settled.fetch_add(n, Relaxed);
     }
 
     /// Forgets the latencies recorded so far (e.g. after a warm-up).
