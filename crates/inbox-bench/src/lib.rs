@@ -263,6 +263,8 @@ pub async fn run(
         report.modes.push(result);
     }
     broker.close().await;
+    // A prefilled inbox can hold millions of rows: do not leave it behind.
+    rabbit_inbox::drop_schema(pool, &options.schema).await?;
     Ok(report)
 }
 

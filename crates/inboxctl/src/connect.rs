@@ -2,7 +2,12 @@
 
 use anyhow::anyhow;
 use rabbit_inbox::Broker;
-use sqlx::{PgPool, postgres::PgPoolOptions};
+use std::time::Duration;
+
+use sqlx::{
+    ConnectOptions, PgPool,
+    postgres::{PgConnectOptions, PgPoolOptions},
+};
 
 /// Address part of a URL, without credentials.
 fn address(url: &str) -> &str {
@@ -11,10 +16,16 @@ fn address(url: &str) -> &str {
 }
 
 pub(crate) async fn postgres(url: &str) -> anyhow::Result<PgPool> {
+    let options: PgConnectOptions = url
+        .parse()
+        .map_err(|e| anyhow!("invalid DATABASE_URL {}: {e}", address(url)))?;
+    // Bulk statements (benchmark prefill, verification) are slow by design; warn only for
+    // what is slow for an operator.
+    let options = options.log_slow_statements(log::LevelFilter::Warn, Duration::from_secs(10));
     PgPoolOptions::new()
         .max_connections(8)
-        .acquire_timeout(std::time::Duration::from_secs(5))
-        .connect(url)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(options)
         .await
         .map_err(|e| {
             anyhow!(
