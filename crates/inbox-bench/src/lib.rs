@@ -105,6 +105,20 @@ pub struct ModeResult {
     pub exactly_once: Option<bool>,
     /// Where the CPU went: milliseconds per 1000 messages (median of the runs).
     pub cpu_ms_per_1k: CpuShare,
+    /// For a run against a prefilled inbox: its size and the paired empty-inbox figure.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefilled: Option<Prefilled>,
+}
+
+/// A prefilled-inbox measurement compared with the empty inbox measured alongside it.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Prefilled {
+    /// Rows in the inbox before the run.
+    pub rows: u64,
+    /// Median msgs/s of the paired empty-inbox runs.
+    pub empty_msgs_per_s: f64,
+    /// Prefilled msgs/s over empty msgs/s.
+    pub ratio_vs_empty: f64,
 }
 
 /// All figures of a benchmark.
@@ -142,6 +156,15 @@ impl Mode {
             Mode::Batch => "batch",
         }
     }
+}
+
+/// Where a run's inbox lives.
+#[derive(Clone, Copy)]
+enum Target<'a> {
+    /// Recreated empty before the run.
+    Fresh(&'a SchemaName),
+    /// Kept as it is (a prefilled inbox); only the business table is emptied.
+    Kept(&'a SchemaName),
 }
 
 struct Run {
@@ -203,7 +226,8 @@ pub async fn run(
                 options.failure_share,
                 round as u64 + 1,
             );
-            let run = run_once(amqp_url, pool, &broker, options, *mode, &workload, 0).await?;
+            let target = Target::Fresh(&options.schema);
+            let run = run_once(amqp_url, pool, &broker, options, *mode, &workload, target).await?;
             progress(&format!(
                 "  run {}: {:<48} {:>9.0} msgs/s",
                 round + 1,
@@ -220,16 +244,22 @@ pub async fn run(
     }
 
     for &rows in &options.prefill {
-        let workload = Workload::new(
-            options.messages,
-            options.payload_size,
-            options.duplicate_share,
-            options.failure_share,
-            99,
-        );
-        let mut runs = Vec::new();
-        for _ in 0..options.runs.max(1) {
-            runs.push(
+        // The prefilled inbox is filled once and kept; every round measures it right after an
+        // empty inbox, on fresh message ids, so the ratio compares like with like.
+        let filled = SchemaName::new(format!("{}_filled", options.schema))?;
+        workload::reset_schema(pool, &filled).await?;
+        workload::prefill(pool, &filled, rows).await?;
+        let (mut empty_runs, mut filled_runs) = (Vec::new(), Vec::new());
+        for round in 0..options.runs.max(1) {
+            let workload = Workload::new(
+                options.messages,
+                options.payload_size,
+                options.duplicate_share,
+                options.failure_share,
+                0x100 + round as u64,
+            );
+            let empty = Target::Fresh(&options.schema);
+            empty_runs.push(
                 run_once(
                     amqp_url,
                     pool,
@@ -237,20 +267,52 @@ pub async fn run(
                     options,
                     Mode::Batch,
                     &workload,
-                    rows,
+                    empty,
+                )
+                .await?,
+            );
+            let kept = Target::Kept(&filled);
+            filled_runs.push(
+                run_once(
+                    amqp_url,
+                    pool,
+                    &broker,
+                    options,
+                    Mode::Batch,
+                    &workload,
+                    kept,
                 )
                 .await?,
             );
         }
-        let result = summarize(
+        rabbit_inbox::drop_schema(pool, &filled).await?;
+        let empty = summarize(
+            format!("rabbit-inbox, batch handler, empty inbox (paired with {rows})"),
+            options.messages,
+            empty_runs,
+        );
+        let mut result = summarize(
             format!("rabbit-inbox, batch handler, inbox holding {rows} rows"),
             options.messages,
-            runs,
+            filled_runs,
         );
+        result.prefilled = Some(Prefilled {
+            rows,
+            empty_msgs_per_s: empty.msgs_per_s,
+            ratio_vs_empty: if empty.msgs_per_s > 0.0 {
+                result.msgs_per_s / empty.msgs_per_s
+            } else {
+                0.0
+            },
+        });
         progress(&format!(
-            "  {:<58} {:>9.0} msgs/s",
-            result.mode, result.msgs_per_s
+            "  {:<58} {:>9.0} msgs/s ({:.2}x the empty inbox's {:.0})",
+            result.mode,
+            result.msgs_per_s,
+            result.prefilled.as_ref().map_or(0.0, |p| p.ratio_vs_empty),
+            empty.msgs_per_s
         ));
+        report.modes.push(empty);
         report.modes.push(result);
     }
 
@@ -302,13 +364,18 @@ async fn run_once(
     options: &BenchOptions,
     mode: Mode,
     workload: &Workload,
-    prefill: u64,
+    target: Target<'_>,
 ) -> Result<Run, BenchError> {
-    let schema = &options.schema;
-    workload::reset_schema(pool, schema).await?;
-    if prefill > 0 {
-        workload::prefill(pool, schema, prefill).await?;
-    }
+    let schema = match target {
+        Target::Fresh(schema) => {
+            workload::reset_schema(pool, schema).await?;
+            schema
+        }
+        Target::Kept(schema) => {
+            workload::reset_history(pool, schema).await?;
+            schema
+        }
+    };
     let topology = fresh_topology(broker, options, mode.slug()).await?;
     let batch: Vec<(&str, &rabbit_inbox::OutgoingMessage)> = workload
         .messages
@@ -478,6 +545,7 @@ async fn low_load(
         peak_rss_mb: procfs::peak_mb(),
         exactly_once: Some(exactly_once && s.latency_samples >= count as u64),
         cpu_ms_per_1k: CpuShare::default(),
+        prefilled: None,
     })
 }
 
@@ -514,6 +582,7 @@ fn summarize(mode: String, messages: usize, runs: Vec<Run>) -> ModeResult {
             postgres: median(runs.iter().map(|r| r.cpu.postgres).collect()),
             broker: median(runs.iter().map(|r| r.cpu.broker).collect()),
         },
+        prefilled: None,
     }
 }
 
@@ -551,6 +620,7 @@ impl BenchReport {
             "p99_ms": batch_mode.p99_ms,
             "peak_rss_mb": self.modes.iter().map(|m| m.peak_rss_mb).fold(0.0, f64::max),
             "exactly_once": self.exactly_once(),
+            "prefilled": self.modes.iter().filter_map(|m| m.prefilled.as_ref()).collect::<Vec<_>>(),
             "modes": self.modes,
         })
     }

@@ -16,6 +16,8 @@ pub(crate) struct Workload {
     pub(crate) unique: usize,
     /// Unique messages marked to fail permanently (`"fail": true`).
     pub(crate) failing: usize,
+    /// What every message id of this workload starts with (ids differ between seeds).
+    pub(crate) id_prefix: String,
 }
 
 impl Workload {
@@ -76,6 +78,7 @@ impl Workload {
             messages: out,
             unique,
             failing,
+            id_prefix: format!("{seed:x}-"),
         }
     }
 }
@@ -182,6 +185,16 @@ pub(crate) async fn reset_schema(
     Ok(())
 }
 
+/// Empties the business table, keeping the inbox as it is.
+pub(crate) async fn reset_history(pool: &PgPool, schema: &SchemaName) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "TRUNCATE \"{schema}\".bench_history"
+    )))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
 /// Every unique message that should succeed applied exactly once and PROCESSED; every one
 /// marked to fail PERMANENT_FAILED with no effect.
 pub(crate) async fn exactly_once(
@@ -194,12 +207,13 @@ pub(crate) async fn exactly_once(
             "SELECT (SELECT count(*) FROM \"{schema}\".bench_history), \
                 (SELECT count(DISTINCT message_id) FROM \"{schema}\".bench_history), \
                 (SELECT count(*) FROM \"{schema}\".message_inbox \
-                   WHERE consumer_name = $1 AND status = 'PROCESSED' \
-                     AND message_id NOT LIKE 'prefill-%'), \
+                   WHERE consumer_name = $1 AND status = 'PROCESSED' AND message_id LIKE $2), \
                 (SELECT count(*) FROM \"{schema}\".message_inbox \
-                   WHERE consumer_name = $1 AND status = 'PERMANENT_FAILED')"
+                   WHERE consumer_name = $1 AND status = 'PERMANENT_FAILED' \
+                     AND message_id LIKE $2)"
         )))
         .bind(CONSUMER)
+        .bind(format!("{}%", workload.id_prefix))
         .fetch_one(pool)
         .await?;
     let applied = (workload.unique - workload.failing) as i64;

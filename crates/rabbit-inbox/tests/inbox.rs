@@ -1516,3 +1516,75 @@ async fn held_acks_go_out_when_the_slow_earlier_batch_finishes() {
         stats.latency_p99
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_only_old_processed_rows_and_stale_lookup_finds_stuck_claims() {
+    let env = TestEnv::new().await;
+    let s = env.schema.as_str();
+    // (key, consumer, status, age of processed_at / processing_started_at)
+    let rows = [
+        ("old-1", "svc", "PROCESSED", "2 days"),
+        ("old-2", "svc", "PROCESSED", "3 days"),
+        ("old-3", "svc", "PROCESSED", "30 days"),
+        ("new-1", "svc", "PROCESSED", "1 minute"),
+        ("failed-old", "svc", "PERMANENT_FAILED", "30 days"),
+        ("other-old", "other", "PROCESSED", "30 days"),
+        ("stuck", "svc", "PROCESSING", "1 hour"),
+        ("fresh", "svc", "PROCESSING", "1 second"),
+    ];
+    for (key, consumer, status, age) in rows {
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO \"{s}\".message_inbox (message_id, consumer_name, message_type, \
+               message_version, status, processing_attempt, payload_sha256, processed_at, \
+               processing_started_at) \
+             VALUES ($1, $2, 'Thing', 1, $3, 1, '\\x00', \
+               CASE WHEN $3 = 'PROCESSED' THEN now() - $4::interval END, \
+               now() - $4::interval)"
+        )))
+        .bind(key)
+        .bind(consumer)
+        .bind(status)
+        .bind(age)
+        .execute(&env.pool)
+        .await
+        .expect("insert row");
+    }
+    let mut conn = env.pool.acquire().await.expect("connection");
+    let day = Duration::from_secs(24 * 3600);
+
+    // Bounded batches: the caller loops until nothing is left.
+    let mut deleted = Vec::new();
+    loop {
+        let n = env
+            .store
+            .cleanup_processed_older_than(&mut conn, "svc", day, 2)
+            .await
+            .expect("cleanup");
+        assert!(n <= 2, "a batch deletes at most its limit, deleted {n}");
+        if n == 0 {
+            break;
+        }
+        deleted.push(n);
+    }
+    assert_eq!(deleted.iter().sum::<u64>(), 3, "batches {deleted:?}");
+    let mut left: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT message_id FROM \"{s}\".message_inbox ORDER BY message_id"
+    )))
+    .fetch_all(&env.pool)
+    .await
+    .expect("rows left");
+    left.sort();
+    assert_eq!(
+        left,
+        ["failed-old", "fresh", "new-1", "other-old", "stuck"],
+        "only old PROCESSED rows of the consumer are deleted"
+    );
+
+    let stale = env
+        .store
+        .find_stale_processing(&mut conn, "svc", Duration::from_secs(600), 10)
+        .await
+        .expect("stale lookup");
+    let stale: Vec<&str> = stale.iter().map(|r| r.message_id.as_str()).collect();
+    assert_eq!(stale, ["stuck"]);
+}
