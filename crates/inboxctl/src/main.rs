@@ -2,6 +2,7 @@
 //! service; each subcommand lives in its own module.
 
 mod bench;
+mod chaos;
 mod connect;
 mod demo;
 mod scenario;
@@ -79,6 +80,11 @@ enum Command {
     /// Measure throughput side by side: the broker ceiling, the textbook inbox recipe, and
     /// rabbit-inbox with a per-message and a batch handler, each checked for exactly-once.
     Bench(bench::BenchArgs),
+    /// The reliability run: several consumer processes on one queue while consumers are
+    /// SIGKILLed and restarted, broker connections are force-closed and PostgreSQL restarts;
+    /// then zero lost and zero double-applied are checked from the database and the broker.
+    /// Exit code 1 on a violation.
+    Chaos(chaos::ChaosArgs),
 }
 
 /// Where the example service lives.
@@ -217,6 +223,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Demo(args) => demo::run(&servers, args).await,
         Command::Bench(args) => bench::run(&servers, args).await,
+        Command::Chaos(args) => chaos::run(&servers, args).await,
     }
 }
 
