@@ -19,11 +19,11 @@ use tokio::process::{Child, Command};
 use crate::{Servers, connect, publish_all, scenario::Scenario};
 
 /// Messages per order in the generated stream, about (placed, two payments, some duplicates).
-const MESSAGES_PER_ORDER: f64 = 3.4;
+const MESSAGES_PER_ORDER: f64 = 3.3;
 
 #[derive(Args)]
 pub(crate) struct ChaosArgs {
-    /// Messages to publish, about (the stream is made of orders with payments, duplicates,
+    /// Messages to publish, at least (the stream is made of orders with payments, duplicates,
     /// out-of-order payments and poison messages).
     #[arg(long, default_value_t = 100_000)]
     messages: usize,
@@ -324,8 +324,13 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
         .await
         .context("declaring the topology")?;
 
-    let orders = ((args.messages as f64 / MESSAGES_PER_ORDER).ceil() as usize).max(1);
-    let scenario = Scenario::generate(orders, seed);
+    // At least the asked-for count: the number of messages per order varies with the seed.
+    let mut orders = ((args.messages as f64 / MESSAGES_PER_ORDER).ceil() as usize).max(1);
+    let mut scenario = Scenario::generate(orders, seed);
+    while scenario.messages.len() < args.messages {
+        orders += (args.messages - scenario.messages.len()).div_ceil(3);
+        scenario = Scenario::generate(orders, seed);
+    }
     let plan = schedule(
         args.kills,
         args.connection_drops,

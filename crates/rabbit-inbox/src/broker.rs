@@ -761,6 +761,12 @@ pub(crate) fn table_to_json(table: &FieldTable) -> Map<String, Value> {
         .collect()
 }
 
+/// The header conversion applied to every delivery, exposed for fuzzing.
+#[doc(hidden)]
+pub fn headers_to_json(table: &FieldTable) -> Map<String, Value> {
+    table_to_json(table)
+}
+
 fn value_to_json(v: &AMQPValue) -> Value {
     match v {
         AMQPValue::Boolean(b) => Value::Bool(*b),

@@ -128,6 +128,13 @@ fn validate_key(key: String) -> Result<String, KeyError> {
             "the id contains control characters".into(),
         ));
     }
+    // Header bytes that are not UTF-8 reach us replaced by U+FFFD: two distinct ids could
+    // then share one key and the second message would be skipped as a duplicate.
+    if key.contains(char::REPLACEMENT_CHARACTER) {
+        return Err(KeyError::Malformed(
+            "the id contains U+FFFD (bytes that are not UTF-8?)".into(),
+        ));
+    }
     Ok(key)
 }
 

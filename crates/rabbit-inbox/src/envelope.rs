@@ -309,7 +309,8 @@ fn version(headers: &Map<String, Value>) -> Result<i32, String> {
     }
 }
 
-/// Sum of the `count` fields of the broker's `x-death` entries.
+/// Sum of the `count` fields of the broker's `x-death` entries. Saturating: the header can be
+/// set by any producer, and an overflow must not panic the consumer.
 fn death_count(headers: &Map<String, Value>) -> u64 {
     headers
         .get("x-death")
@@ -318,7 +319,7 @@ fn death_count(headers: &Map<String, Value>) -> u64 {
             entries
                 .iter()
                 .filter_map(|e| e.get("count").and_then(Value::as_u64))
-                .sum()
+                .fold(0, u64::saturating_add)
         })
         .unwrap_or(0)
 }

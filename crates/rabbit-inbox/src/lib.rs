@@ -48,6 +48,8 @@ mod schema;
 mod stats;
 mod store;
 
+#[doc(hidden)]
+pub use broker::headers_to_json;
 pub use broker::{Broker, OutgoingMessage, QueueDepths, parking_headers};
 pub use config::{ConsumerConfig, PayloadStorage, QueueType, RetryPolicy, Topology};
 pub use consumer::{Consumer, shutdown_signal};

@@ -5,7 +5,7 @@
 //! transaction (claims and `mark_processed` must be), or a pooled connection for the short
 //! failure-recording transactions.
 
-use std::{fmt, str::FromStr, sync::Arc, time::Duration};
+use std::{borrow::Cow, fmt, str::FromStr, sync::Arc, time::Duration};
 
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgConnection, Row, SqlSafeStr, SqlStr};
@@ -145,6 +145,42 @@ pub struct Redelivery<'a> {
     pub message_id: &'a str,
     /// Hash of the redelivered body when it differs from the recorded one.
     pub conflicting_sha256: Option<&'a [u8]>,
+}
+
+/// PostgreSQL `text` and `jsonb` cannot hold U+0000, and any producer can put one in a header
+/// or property: without this the row could never be written and the delivery would be requeued
+/// forever. The stored copy shows U+FFFD instead; the envelope a handler sees is unchanged.
+/// (Dedup keys never get here with one: control characters make a key malformed.)
+fn storable<'a>(text: impl Into<Cow<'a, str>>) -> Cow<'a, str> {
+    let text = text.into();
+    if text.contains('\0') {
+        Cow::Owned(text.replace('\0', "\u{FFFD}"))
+    } else {
+        text
+    }
+}
+
+/// The headers as stored: [`storable`] applied to every name and string value.
+fn storable_headers(headers: &serde_json::Map<String, serde_json::Value>) -> serde_json::Value {
+    use serde_json::Value;
+    fn clean(v: &Value) -> Value {
+        match v {
+            Value::String(s) => Value::String(storable(s.as_str()).into_owned()),
+            Value::Array(items) => Value::Array(items.iter().map(clean).collect()),
+            Value::Object(map) => Value::Object(
+                map.iter()
+                    .map(|(k, v)| (storable(k.as_str()).into_owned(), clean(v)))
+                    .collect(),
+            ),
+            other => other.clone(),
+        }
+    }
+    Value::Object(
+        headers
+            .iter()
+            .map(|(k, v)| (storable(k.as_str()).into_owned(), clean(v)))
+            .collect(),
+    )
 }
 
 /// The PostgreSQL inbox of one schema.
@@ -414,7 +450,7 @@ impl InboxStore {
             .bind(
                 sorted
                     .clone()
-                    .map(|e| e.message_type.as_str())
+                    .map(|e| storable(&e.message_type))
                     .collect::<Vec<_>>(),
             )
             .bind(
@@ -426,13 +462,13 @@ impl InboxStore {
             .bind(
                 sorted
                     .clone()
-                    .map(|e| e.aggregate_type.as_deref())
+                    .map(|e| e.aggregate_type.as_deref().map(storable))
                     .collect::<Vec<_>>(),
             )
             .bind(
                 sorted
                     .clone()
-                    .map(|e| e.aggregate_id.as_deref())
+                    .map(|e| e.aggregate_id.as_deref().map(storable))
                     .collect::<Vec<_>>(),
             )
             .bind(
@@ -450,28 +486,32 @@ impl InboxStore {
             .bind(
                 sorted
                     .clone()
-                    .map(|e| serde_json::Value::Object(e.headers.clone()))
+                    .map(|e| storable_headers(&e.headers))
                     .collect::<Vec<_>>(),
             )
             .bind(
                 sorted
                     .clone()
-                    .map(|e| e.correlation_id.as_deref())
+                    .map(|e| e.correlation_id.as_deref().map(storable))
                     .collect::<Vec<_>>(),
             )
             .bind(
                 sorted
                     .clone()
-                    .map(|e| e.causation_id.as_deref())
+                    .map(|e| e.causation_id.as_deref().map(storable))
                     .collect::<Vec<_>>(),
             )
             .bind(
                 sorted
                     .clone()
-                    .map(|e| trace_id(e.traceparent.as_deref()))
+                    .map(|e| trace_id(e.traceparent.as_deref()).map(storable))
                     .collect::<Vec<_>>(),
             )
-            .bind(sorted.map(|e| e.tenant_id.as_deref()).collect::<Vec<_>>())
+            .bind(
+                sorted
+                    .map(|e| e.tenant_id.as_deref().map(storable))
+                    .collect::<Vec<_>>(),
+            )
             .bind(status.as_str())
             .fetch_all(&mut *conn)
             .await?;
@@ -630,21 +670,21 @@ impl InboxStore {
         let row = sqlx::query(self.sql.record_failure.clone())
             .bind(&envelope.message_id)
             .bind(consumer)
-            .bind(&envelope.message_type)
+            .bind(storable(&envelope.message_type))
             .bind(envelope.message_version)
-            .bind(envelope.aggregate_type.as_deref())
-            .bind(envelope.aggregate_id.as_deref())
+            .bind(envelope.aggregate_type.as_deref().map(storable))
+            .bind(envelope.aggregate_id.as_deref().map(storable))
             .bind(failure.status.as_str())
             .bind(failure.max_attempts)
             .bind(&envelope.payload_sha256[..])
             .bind(failure.store_payload.then_some(&envelope.body[..]))
-            .bind(serde_json::Value::Object(envelope.headers.clone()))
-            .bind(failure.code)
-            .bind(truncate(failure.message, MAX_ERROR_MESSAGE_CHARS))
-            .bind(envelope.correlation_id.as_deref())
-            .bind(envelope.causation_id.as_deref())
-            .bind(trace_id(envelope.traceparent.as_deref()))
-            .bind(envelope.tenant_id.as_deref())
+            .bind(storable_headers(&envelope.headers))
+            .bind(storable(failure.code))
+            .bind(storable(truncate(failure.message, MAX_ERROR_MESSAGE_CHARS)))
+            .bind(envelope.correlation_id.as_deref().map(storable))
+            .bind(envelope.causation_id.as_deref().map(storable))
+            .bind(trace_id(envelope.traceparent.as_deref()).map(storable))
+            .bind(envelope.tenant_id.as_deref().map(storable))
             .fetch_optional(conn)
             .await?;
         match row {
