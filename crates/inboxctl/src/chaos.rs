@@ -155,7 +155,7 @@ impl Fleet<'_> {
     }
 
     /// Restarts every consumer that has exited and records why it did.
-    fn reap(&mut self, figures: &mut Figures, started_at: &[Instant]) -> anyhow::Result<()> {
+    fn reap(&mut self, figures: &mut Figures, started_at: &mut [Instant]) -> anyhow::Result<()> {
         for i in 0..self.instances.len() {
             if let Some(status) = self.instances[i].child.try_wait()? {
                 let early = started_at
@@ -170,6 +170,7 @@ impl Fleet<'_> {
                     figures.crashes.push(format!("{status} (log {log})"));
                 }
                 self.instances[i] = self.spawn()?;
+                started_at[i] = Instant::now();
                 figures.restarts += 1;
             }
         }
@@ -380,7 +381,7 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
     let unique = scenario.unique_keys as i64;
     let settled = loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        fleet.reap(&mut figures, &started_at)?;
+        fleet.reap(&mut figures, &mut started_at)?;
         let Some((v, depths)) = progress(servers, &pool, &schema, &topology).await else {
             if Instant::now() > deadline {
                 break false;
@@ -483,6 +484,10 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
             parking_check.processed_copies == 0,
         ),
         (
+            "every message in the parking lot recorded in the inbox",
+            parking_check.unrecorded == 0,
+        ),
+        (
             "every parked row has its message in the parking lot, with a reason",
             parking_check.parked_rows_with_copy == v.parked && parking_check.without_reason == 0,
         ),
@@ -571,6 +576,8 @@ struct ParkingCheck {
     parked_rows_with_copy: i64,
     /// Copies without an inbox key or an error code.
     without_reason: i64,
+    /// Copies whose key has no inbox row, or one that is neither parked nor PROCESSED.
+    unrecorded: i64,
     problems: Vec<String>,
 }
 
@@ -623,9 +630,12 @@ impl ParkingLot {
                     }
                 }
                 Some(InboxStatus::Processed) => {}
-                other => check.problems.push(format!(
-                    "parked message {key} ({code}) has inbox status {other:?}"
-                )),
+                other => {
+                    check.unrecorded += 1;
+                    check.problems.push(format!(
+                        "parked message {key} ({code}) has inbox status {other:?}"
+                    ));
+                }
             }
         }
         Ok(check)
