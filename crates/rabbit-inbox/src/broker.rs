@@ -69,21 +69,21 @@ pub struct OutgoingMessage {
 
 impl OutgoingMessage {
     /// AMQP properties: persistent, JSON, with the id, type, correlation id and headers.
-    fn properties(&self) -> BasicProperties {
+    fn properties(&self) -> Result<BasicProperties, BrokerError> {
         let mut properties = BasicProperties::default()
             .with_delivery_mode(2)
             .with_content_type("application/json".into())
-            .with_headers(json_to_table(&self.headers));
+            .with_headers(json_to_table(&self.headers)?);
         if let Some(id) = &self.message_id {
-            properties = properties.with_message_id(id.as_str().into());
+            properties = properties.with_message_id(short("message-id", id)?);
         }
         if let Some(kind) = &self.kind {
-            properties = properties.with_type(kind.as_str().into());
+            properties = properties.with_type(short("type", kind)?);
         }
         if let Some(c) = &self.correlation_id {
-            properties = properties.with_correlation_id(c.as_str().into());
+            properties = properties.with_correlation_id(short("correlation-id", c)?);
         }
-        properties
+        Ok(properties)
     }
 }
 
@@ -141,7 +141,7 @@ impl Broker {
             exchange,
             routing_key,
             &message.body,
-            message.properties(),
+            message.properties()?,
         )
         .await
     }
@@ -159,14 +159,14 @@ impl Broker {
                 let confirm = self
                     .channel
                     .basic_publish(
-                        exchange.into(),
-                        routing_key.into(),
+                        short("exchange", exchange)?,
+                        short("routing key", routing_key)?,
                         BasicPublishOptions {
                             mandatory: true,
                             ..BasicPublishOptions::default()
                         },
                         &message.body,
-                        message.properties(),
+                        message.properties()?,
                     )
                     .await?;
                 confirms.push(confirm);
@@ -329,8 +329,8 @@ async fn publish_confirmed(
 ) -> Result<(), BrokerError> {
     let confirm = channel
         .basic_publish(
-            exchange.into(),
-            routing_key.into(),
+            short("exchange", exchange)?,
+            short("routing key", routing_key)?,
             BasicPublishOptions {
                 mandatory: true,
                 ..BasicPublishOptions::default()
@@ -423,7 +423,9 @@ pub(crate) fn is_fatal(e: &BrokerError) -> bool {
             ),
             _ => false,
         },
-        BrokerError::NotConfirmed(_) => false,
+        // Producer-side input errors; the consumer's parking path only republishes names
+        // that already came through AMQP, so they never stop a consumer.
+        BrokerError::NotConfirmed(_) | BrokerError::TooLong { .. } => false,
     }
 }
 
@@ -796,16 +798,31 @@ fn value_to_json(v: &AMQPValue) -> Value {
 }
 
 /// JSON to an AMQP header table (for publishing).
-pub(crate) fn json_to_table(map: &Map<String, Value>) -> FieldTable {
-    let mut table = FieldTable::default();
-    for (k, v) in map {
-        table.insert(ShortString::from(k.as_str()), json_to_value(v));
-    }
-    table
+/// `text` as an AMQP short string. `ShortString::from` panics past 255 bytes; a producer
+/// handing us a long id or header name gets an error instead.
+fn short(what: &str, text: &str) -> Result<ShortString, BrokerError> {
+    ShortString::try_new(text).map_err(|_| BrokerError::TooLong {
+        what: what.to_owned(),
+        len: text.len(),
+    })
 }
 
-fn json_to_value(v: &Value) -> AMQPValue {
-    match v {
+pub(crate) fn json_to_table(map: &Map<String, Value>) -> Result<FieldTable, BrokerError> {
+    let mut table = FieldTable::default();
+    for (k, v) in map {
+        let name = short(&format!("header name {:?}", truncate_chars(k, 40)), k)?;
+        table.insert(name, json_to_value(v)?);
+    }
+    Ok(table)
+}
+
+/// The first `n` characters of `s`, for error messages.
+fn truncate_chars(s: &str, n: usize) -> &str {
+    s.char_indices().nth(n).map_or(s, |(i, _)| &s[..i])
+}
+
+fn json_to_value(v: &Value) -> Result<AMQPValue, BrokerError> {
+    Ok(match v {
         Value::Null => AMQPValue::Void,
         Value::Bool(b) => AMQPValue::Boolean(*b),
         Value::Number(n) => match (n.as_i64(), n.as_f64()) {
@@ -815,10 +832,10 @@ fn json_to_value(v: &Value) -> AMQPValue {
         },
         Value::String(s) => long_string(s),
         Value::Array(a) => AMQPValue::FieldArray(FieldArray::from(
-            a.iter().map(json_to_value).collect::<Vec<_>>(),
+            a.iter().map(json_to_value).collect::<Result<Vec<_>, _>>()?,
         )),
-        Value::Object(o) => AMQPValue::FieldTable(json_to_table(o)),
-    }
+        Value::Object(o) => AMQPValue::FieldTable(json_to_table(o)?),
+    })
 }
 
 #[cfg(test)]
@@ -860,7 +877,38 @@ mod tests {
             "a": [1, "two"], "t": {"nested": {"deep": 1}}
         });
         let map = headers.as_object().cloned().unwrap_or_default();
-        assert_eq!(table_to_json(&json_to_table(&map)), map);
+        assert_eq!(
+            table_to_json(&json_to_table(&map).expect("short names")),
+            map
+        );
+    }
+
+    #[test]
+    fn overlong_short_strings_are_errors_not_panics() {
+        let long = "x".repeat(256);
+        let id = OutgoingMessage {
+            message_id: Some(long.clone()),
+            ..OutgoingMessage::default()
+        };
+        assert!(matches!(
+            id.properties(),
+            Err(BrokerError::TooLong { len: 256, ref what }) if what == "message-id"
+        ));
+        let mut nested = Map::new();
+        nested.insert("outer".into(), json!({ long.clone(): 1 }));
+        let header = OutgoingMessage {
+            headers: nested,
+            ..OutgoingMessage::default()
+        };
+        assert!(matches!(
+            header.properties(),
+            Err(BrokerError::TooLong { len: 256, .. })
+        ));
+        let fits = OutgoingMessage {
+            message_id: Some("x".repeat(255)),
+            ..OutgoingMessage::default()
+        };
+        assert!(fits.properties().is_ok());
     }
 
     #[test]

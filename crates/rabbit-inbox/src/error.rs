@@ -41,6 +41,14 @@ pub enum BrokerError {
     /// The broker negatively confirmed a publish, or returned it as unroutable.
     #[error("RabbitMQ did not accept the message published to {0}")]
     NotConfirmed(String),
+    /// A name or property that AMQP carries as a short string is longer than 255 bytes.
+    #[error("{what} is {len} bytes long; AMQP carries at most 255")]
+    TooLong {
+        /// Which field (`message-id`, `header name "…"`, `routing key`, ...).
+        what: String,
+        /// Its length in bytes.
+        len: usize,
+    },
 }
 
 /// Why a consumer stopped.
