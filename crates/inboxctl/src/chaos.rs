@@ -276,12 +276,28 @@ async fn prepare_vhost(vhost: &str, user: &str) -> anyhow::Result<()> {
         .context("running rabbitmqctl (needed to isolate the run in its own vhost)")?;
     let listed = String::from_utf8_lossy(&exists.stdout);
     if !listed.lines().any(|l| l.trim() == vhost) {
-        shell(&format!("rabbitmqctl -q add_vhost '{vhost}'")).await?;
+        rabbitmqctl(&["-q", "add_vhost", vhost]).await?;
     }
-    shell(&format!(
-        "rabbitmqctl -q set_permissions -p '{vhost}' '{user}' '.*' '.*' '.*'"
-    ))
-    .await
+    rabbitmqctl(&["-q", "set_permissions", "-p", vhost, user, ".*", ".*", ".*"]).await
+}
+
+/// Runs `rabbitmqctl` with `args` (no shell, so names need no quoting).
+async fn rabbitmqctl(args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new("rabbitmqctl")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .context("running rabbitmqctl")?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "rabbitmqctl {} failed with {}: {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
 }
 
 pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<ExitCode> {
