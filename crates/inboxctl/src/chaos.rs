@@ -216,15 +216,19 @@ impl Fleet<'_> {
 
 /// Runs a shell command of the fault schedule.
 async fn shell(command: &str) -> anyhow::Result<()> {
-    let out = Command::new("sh")
-        .args(["-c", command])
+    checked(Command::new("sh").args(["-c", command]), command).await
+}
+
+/// Runs `cmd` to completion; a failure carries its stderr. `shown` names it in errors.
+async fn checked(cmd: &mut Command, shown: &str) -> anyhow::Result<()> {
+    let out = cmd
         .stdin(Stdio::null())
         .output()
         .await
-        .with_context(|| format!("running {command}"))?;
+        .with_context(|| format!("running {shown}"))?;
     if !out.status.success() {
         anyhow::bail!(
-            "{command} failed with {}: {}",
+            "{shown} failed with {}: {}",
             out.status,
             String::from_utf8_lossy(&out.stderr).trim()
         );
@@ -283,21 +287,8 @@ async fn prepare_vhost(vhost: &str, user: &str) -> anyhow::Result<()> {
 
 /// Runs `rabbitmqctl` with `args` (no shell, so names need no quoting).
 async fn rabbitmqctl(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("rabbitmqctl")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .await
-        .context("running rabbitmqctl")?;
-    if !out.status.success() {
-        anyhow::bail!(
-            "rabbitmqctl {} failed with {}: {}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
+    let shown = format!("rabbitmqctl {}", args.join(" "));
+    checked(Command::new("rabbitmqctl").args(args), &shown).await
 }
 
 pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<ExitCode> {
