@@ -266,6 +266,9 @@ async fn declare(
     };
     // Work queue: reject(requeue=false) dead-letters into the retry queue.
     let mut work = queue_args(topology);
+    if topology.single_active_consumer {
+        work.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    }
     work.insert("x-dead-letter-exchange".into(), long_string(""));
     work.insert(
         "x-dead-letter-routing-key".into(),

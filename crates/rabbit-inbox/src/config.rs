@@ -30,6 +30,11 @@ pub struct Topology {
     pub parking_queue: String,
     /// Queue type of all three queues.
     pub queue_type: QueueType,
+    /// Declare the work queue with `x-single-active-consumer`: of several instances on the
+    /// queue, the broker delivers to one at a time and fails over to the next when it goes
+    /// away. Keeps one queue's delivery order across instances, at the cost of one active
+    /// consumer per queue (scale out with several queues, e.g. a consistent-hash exchange).
+    pub single_active_consumer: bool,
 }
 
 /// RabbitMQ queue type.
@@ -53,7 +58,15 @@ impl Topology {
             exchange: None,
             binding_keys: Vec::new(),
             queue_type: QueueType::Classic,
+            single_active_consumer: false,
         }
+    }
+
+    /// Declare the work queue with a single active consumer (see
+    /// [`Topology::single_active_consumer`]).
+    pub fn with_single_active_consumer(mut self) -> Self {
+        self.single_active_consumer = true;
+        self
     }
 
     /// Also declare `exchange` (topic) and bind the work queue with `binding_keys`.

@@ -1588,3 +1588,60 @@ async fn retention_deletes_only_old_processed_rows_and_stale_lookup_finds_stuck_
     let stale: Vec<&str> = stale.iter().map(|r| r.message_id.as_str()).collect();
     assert_eq!(stale, ["stuck"]);
 }
+
+/// Several instances on one queue keep one aggregate's order only with a single active
+/// consumer: the broker delivers to one instance, and to the next when it stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_active_consumer_keeps_order_across_instances_and_fails_over() {
+    let env = TestEnv::new().await;
+    let topology = env.register(
+        rabbit_inbox::Topology::new(format!("t-{}-sac", env.id)).with_single_active_consumer(),
+    );
+    let config = env.config("svc", topology.clone());
+    env.declare(&config).await;
+    let (handler, _plan) = env.handler();
+    let mut instances = vec![
+        env.start(config.clone(), handler.clone()),
+        env.start(config.clone(), handler.clone()),
+    ];
+
+    let ids: Vec<String> = (0..80).map(|i| format!("m{i:03}")).collect();
+    publish_on_aggregate(&env, &topology, &ids[..40], "Thing", "order-1").await;
+    wait_for("the first half settled", async || {
+        instances
+            .iter()
+            .map(|c| c.snapshot().processed)
+            .sum::<u64>()
+            == 40
+    })
+    .await;
+    let received: Vec<u64> = instances.iter().map(|c| c.snapshot().received).collect();
+    assert!(
+        received.contains(&0) && received.contains(&40),
+        "one instance gets every delivery: {received:?}"
+    );
+    let active = received
+        .iter()
+        .position(|&r| r == 40)
+        .expect("an active one");
+    let first = instances.remove(active).stop().await;
+    assert_eq!(first.processed, 40);
+
+    publish_on_aggregate(&env, &topology, &ids[40..], "Thing", "order-1").await;
+    wait_for("the standby took over", async || {
+        instances[0].snapshot().processed == 40
+    })
+    .await;
+
+    let applied: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT message_id FROM \"{}\".effects ORDER BY seq",
+        env.schema
+    )))
+    .fetch_all(&env.pool)
+    .await
+    .expect("effects");
+    assert_eq!(applied, ids, "each effect once, in publish order");
+    let second = instances.remove(0).stop().await;
+    assert_eq!(second.received, 40);
+    assert_eq!(env.depths(&topology).await, EMPTY);
+}
