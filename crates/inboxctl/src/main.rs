@@ -6,6 +6,7 @@ mod chaos;
 mod connect;
 mod demo;
 mod scenario;
+mod soak;
 
 use std::process::ExitCode;
 
@@ -85,6 +86,10 @@ enum Command {
     /// then zero lost and zero double-applied are checked from the database and the broker.
     /// Exit code 1 on a violation.
     Chaos(chaos::ChaosArgs),
+    /// The example service at a steady rate for a set time: resident memory and latency
+    /// percentiles per interval; exit code 1 if memory keeps growing or effects are not
+    /// exactly-once.
+    Soak(soak::SoakArgs),
 }
 
 /// Where the example service lives.
@@ -224,6 +229,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Demo(args) => demo::run(&servers, args).await,
         Command::Bench(args) => bench::run(&servers, args).await,
         Command::Chaos(args) => chaos::run(&servers, args).await,
+        Command::Soak(args) => soak::run(&servers, args).await,
     }
 }
 
