@@ -16,7 +16,7 @@ use rabbit_inbox::{InboxStatus, InboxStore, SchemaName, Topology, parking_header
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use tokio::process::{Child, Command};
 
-use crate::{Servers, connect, publish_all, scenario::Scenario};
+use crate::{Servers, clean_slate, connect, publish_all, scenario::Scenario};
 
 /// Messages per order in the generated stream, about (placed, two payments, some duplicates).
 const MESSAGES_PER_ORDER: f64 = 3.3;
@@ -244,7 +244,8 @@ async fn progress(
     topology: &Topology,
 ) -> Option<(order_service::Verification, rabbit_inbox::QueueDepths)> {
     let v = order_service::verify(pool, schema).await.ok()?;
-    // A short-lived connection: the fault schedule closes every broker connection.
+    // A short-lived connection: the fault schedule closes every connection of the run, and a
+    // held one would be closed (and logged by lapin as an error) at every drop.
     let broker = rabbit_inbox::Broker::connect(&servers.amqp_url, "inboxctl chaos")
         .await
         .ok()?;
@@ -318,19 +319,7 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
     let seed = args.seed.unwrap_or_else(rand::random);
     let mut rng = StdRng::seed_from_u64(seed ^ 0xc4a0_5eed);
 
-    let pool = connect::postgres(&servers.database_url).await?;
-    let broker = connect::rabbitmq(&servers.amqp_url).await?;
-    rabbit_inbox::drop_schema(&pool, &schema).await?;
-    rabbit_inbox::migrate(&pool, &schema).await?;
-    order_service::migrate(&pool, &schema).await?;
-    broker
-        .delete(&topology)
-        .await
-        .context("deleting the previous run's queues")?;
-    broker
-        .declare(&topology, config.retry.retry_delay)
-        .await
-        .context("declaring the topology")?;
+    let (pool, broker) = clean_slate(servers, &config).await?;
 
     // At least the asked-for count: the number of messages per order varies with the seed.
     let mut orders = ((args.messages as f64 / MESSAGES_PER_ORDER).ceil() as usize).max(1);

@@ -8,9 +8,9 @@ use std::{
 
 use anyhow::Context;
 use clap::Args;
-use rabbit_inbox::{Consumer, SchemaName, Topology};
+use rabbit_inbox::{Consumer, SchemaName};
 
-use crate::{Servers, connect, publish_all, scenario::Scenario};
+use crate::{Servers, clean_slate, publish_all, scenario::Scenario};
 
 #[derive(Args)]
 pub(crate) struct DemoArgs {
@@ -51,18 +51,7 @@ pub(crate) async fn run(servers: &Servers, args: DemoArgs) -> anyhow::Result<Exi
     config.validate()?;
     let seed = args.seed.unwrap_or_else(rand::random);
 
-    let pool = connect::postgres(&servers.database_url).await?;
-    let broker = connect::rabbitmq(&servers.amqp_url).await?;
-
-    // A clean slate, so the figures describe this run only.
-    rabbit_inbox::drop_schema(&pool, &schema).await?;
-    rabbit_inbox::migrate(&pool, &schema).await?;
-    order_service::migrate(&pool, &schema).await?;
-    reset_queues(&servers.amqp_url, &config.topology).await?;
-    broker
-        .declare(&config.topology, config.retry.retry_delay)
-        .await
-        .context("declaring the demo topology")?;
+    let (pool, broker) = clean_slate(servers, &config).await?;
 
     let scenario = Scenario::generate(args.orders, seed);
     println!(
@@ -239,15 +228,4 @@ pub(crate) async fn run(servers: &Servers, args: DemoArgs) -> anyhow::Result<Exi
         );
         Ok(ExitCode::FAILURE)
     }
-}
-
-/// Deletes the demo's queues and exchange from an earlier run (a missing queue is fine).
-async fn reset_queues(amqp_url: &str, topology: &Topology) -> anyhow::Result<()> {
-    let broker = connect::rabbitmq(amqp_url).await?;
-    broker
-        .delete(topology)
-        .await
-        .context("deleting the previous demo queues")?;
-    broker.close().await;
-    Ok(())
 }

@@ -233,6 +233,33 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// Connects to both servers and gives a run of the example service a clean slate: its schema
+/// (inbox and example tables) and its queues are recreated, so the figures describe this run
+/// only.
+pub(crate) async fn clean_slate(
+    servers: &Servers,
+    config: &rabbit_inbox::ConsumerConfig,
+) -> anyhow::Result<(sqlx::PgPool, Broker)> {
+    let pool = connect::postgres(&servers.database_url).await?;
+    rabbit_inbox::drop_schema(&pool, &config.schema).await?;
+    rabbit_inbox::migrate(&pool, &config.schema).await?;
+    order_service::migrate(&pool, &config.schema).await?;
+    // A connection of its own for the deletes: the declarations below must not depend on how
+    // the broker took the deletion of queues an earlier run may not have left.
+    let deleting = connect::rabbitmq(&servers.amqp_url).await?;
+    deleting
+        .delete(&config.topology)
+        .await
+        .context("deleting the previous run's queues")?;
+    deleting.close().await;
+    let broker = connect::rabbitmq(&servers.amqp_url).await?;
+    broker
+        .declare(&config.topology, config.retry.retry_delay)
+        .await
+        .context("declaring the topology")?;
+    Ok((pool, broker))
+}
+
 /// Publishes a generated stream in order, with broker confirms.
 pub(crate) async fn publish_all(
     broker: &Broker,

@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::Args;
 use rabbit_inbox::{Consumer, SchemaName};
 
-use crate::{Servers, connect, scenario::Scenario};
+use crate::{Servers, clean_slate, scenario::Scenario};
 
 #[derive(Args)]
 pub(crate) struct SoakArgs {
@@ -71,19 +71,7 @@ pub(crate) async fn run(servers: &Servers, args: SoakArgs) -> anyhow::Result<Exi
     let topology = config.topology.clone();
     let seed = args.seed.unwrap_or_else(rand::random);
 
-    let pool = connect::postgres(&servers.database_url).await?;
-    let broker = connect::rabbitmq(&servers.amqp_url).await?;
-    rabbit_inbox::drop_schema(&pool, &schema).await?;
-    rabbit_inbox::migrate(&pool, &schema).await?;
-    order_service::migrate(&pool, &schema).await?;
-    broker
-        .delete(&topology)
-        .await
-        .context("deleting the previous run's queues")?;
-    broker
-        .declare(&topology, config.retry.retry_delay)
-        .await
-        .context("declaring the topology")?;
+    let (pool, broker) = clean_slate(servers, &config).await?;
 
     // About the whole duration at the rate (3.3 messages per order, about).
     let wanted = u64::from(args.rate) * args.duration_secs;

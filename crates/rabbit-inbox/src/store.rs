@@ -162,25 +162,21 @@ fn storable<'a>(text: impl Into<Cow<'a, str>>) -> Cow<'a, str> {
 
 /// The headers as stored: [`storable`] applied to every name and string value.
 fn storable_headers(headers: &serde_json::Map<String, serde_json::Value>) -> serde_json::Value {
-    use serde_json::Value;
-    fn clean(v: &Value) -> Value {
+    use serde_json::{Map, Value};
+    fn map(m: &Map<String, Value>) -> Map<String, Value> {
+        m.iter()
+            .map(|(k, v)| (storable(k.as_str()).into_owned(), value(v)))
+            .collect()
+    }
+    fn value(v: &Value) -> Value {
         match v {
             Value::String(s) => Value::String(storable(s.as_str()).into_owned()),
-            Value::Array(items) => Value::Array(items.iter().map(clean).collect()),
-            Value::Object(map) => Value::Object(
-                map.iter()
-                    .map(|(k, v)| (storable(k.as_str()).into_owned(), clean(v)))
-                    .collect(),
-            ),
+            Value::Array(items) => Value::Array(items.iter().map(value).collect()),
+            Value::Object(m) => Value::Object(map(m)),
             other => other.clone(),
         }
     }
-    Value::Object(
-        headers
-            .iter()
-            .map(|(k, v)| (storable(k.as_str()).into_owned(), clean(v)))
-            .collect(),
-    )
+    Value::Object(map(headers))
 }
 
 /// The PostgreSQL inbox of one schema.
