@@ -1,0 +1,276 @@
+//! Publishing with publisher confirms, and [`Broker`]: the connection tools and tests use to
+//! declare, publish and inspect.
+
+use std::time::Duration;
+
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection,
+    options::{
+        BasicAckOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+        QueueDeleteOptions,
+    },
+    types::FieldTable,
+};
+use serde_json::{Map, Value};
+
+use super::{
+    connect,
+    headers::{json_to_table, short},
+    session::amqp_message,
+    topology::declare,
+};
+use crate::{config::Topology, envelope::AmqpMessage, error::BrokerError};
+
+/// A message to publish (producer side: examples, demos, tests, replays).
+#[derive(Clone, Debug, Default)]
+pub struct OutgoingMessage {
+    /// AMQP `message-id`.
+    pub message_id: Option<String>,
+    /// AMQP `type`.
+    pub kind: Option<String>,
+    /// AMQP `correlation-id`.
+    pub correlation_id: Option<String>,
+    /// Application headers (JSON values are mapped to AMQP field values).
+    pub headers: Map<String, Value>,
+    /// Body.
+    pub body: Vec<u8>,
+}
+
+impl OutgoingMessage {
+    /// AMQP properties: persistent, JSON, with the id, type, correlation id and headers.
+    fn properties(&self) -> Result<BasicProperties, BrokerError> {
+        let mut properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type("application/json".into())
+            .with_headers(json_to_table(&self.headers)?);
+        if let Some(id) = &self.message_id {
+            properties = properties.with_message_id(short("message-id", id)?);
+        }
+        if let Some(kind) = &self.kind {
+            properties = properties.with_type(short("type", kind)?);
+        }
+        if let Some(c) = &self.correlation_id {
+            properties = properties.with_correlation_id(short("correlation-id", c)?);
+        }
+        Ok(properties)
+    }
+}
+
+/// Queue depths of a topology, see [`Broker::queue_depths`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QueueDepths {
+    /// Ready messages in the work queue.
+    pub work: u32,
+    /// Messages waiting in the retry queue.
+    pub retry: u32,
+    /// Messages in the parking lot.
+    pub parking: u32,
+}
+
+/// A connection to RabbitMQ for declaring topology, publishing with confirms and inspecting
+/// queues. The consumer runtime opens its own connections.
+pub struct Broker {
+    connection: Connection,
+    channel: Channel,
+}
+
+impl Broker {
+    /// Connects and opens a channel in publisher-confirm mode.
+    pub async fn connect(amqp_url: &str, connection_name: &str) -> Result<Self, BrokerError> {
+        let connection = connect(amqp_url, connection_name).await?;
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok(Self {
+            connection,
+            channel,
+        })
+    }
+
+    /// Declares the work, retry and parking queues (and the exchange, if any). Idempotent; a
+    /// queue that exists with other arguments is an error (PRECONDITION_FAILED).
+    pub async fn declare(
+        &self,
+        topology: &Topology,
+        retry_delay: Duration,
+    ) -> Result<(), BrokerError> {
+        declare(&self.channel, topology, retry_delay).await
+    }
+
+    /// Publishes and waits for the broker's confirm. Unroutable messages are errors.
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        message: &OutgoingMessage,
+    ) -> Result<(), BrokerError> {
+        publish_confirmed(
+            &self.channel,
+            exchange,
+            routing_key,
+            &message.body,
+            message.properties()?,
+        )
+        .await
+    }
+
+    /// Publishes many `(routing key, message)` pairs, keeping up to 512 confirms in flight,
+    /// and returns once the broker has confirmed all of them. Order is preserved.
+    pub async fn publish_batch(
+        &self,
+        exchange: &str,
+        messages: &[(&str, &OutgoingMessage)],
+    ) -> Result<(), BrokerError> {
+        for chunk in messages.chunks(512) {
+            let mut confirms = Vec::with_capacity(chunk.len());
+            for &(routing_key, message) in chunk {
+                let confirm = self
+                    .channel
+                    .basic_publish(
+                        short("exchange", exchange)?,
+                        short("routing key", routing_key)?,
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
+                        &message.body,
+                        message.properties()?,
+                    )
+                    .await?;
+                confirms.push(confirm);
+            }
+            for confirm in confirms {
+                if !matches!(confirm.await?, Confirmation::Ack(None)) {
+                    return Err(BrokerError::NotConfirmed(format!("exchange {exchange:?}")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Ready-message counts of the topology's queues.
+    pub async fn queue_depths(&self, topology: &Topology) -> Result<QueueDepths, BrokerError> {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let depth = async |queue: &str| -> Result<u32, BrokerError> {
+            Ok(self
+                .channel
+                .queue_declare(queue.into(), passive, FieldTable::default())
+                .await?
+                .message_count())
+        };
+        Ok(QueueDepths {
+            work: depth(&topology.queue).await?,
+            retry: depth(&topology.retry_queue).await?,
+            parking: depth(&topology.parking_queue).await?,
+        })
+    }
+
+    /// Fetches one message from `queue` and acks it: for tools that drain a queue into a
+    /// report (parking-lot inspection, tests). Returns the message and its headers.
+    pub async fn take_one(&self, queue: &str) -> Result<Option<AmqpMessage>, BrokerError> {
+        let got = self
+            .channel
+            .basic_get(queue.into(), lapin::options::BasicGetOptions::default())
+            .await?;
+        match got {
+            None => Ok(None),
+            Some(get) => {
+                let message = amqp_message(&get.delivery);
+                get.delivery.acker.ack(BasicAckOptions::default()).await?;
+                Ok(Some(message))
+            }
+        }
+    }
+
+    /// Deletes the topology's queues (tests and demos that own them).
+    pub async fn delete(&self, topology: &Topology) -> Result<(), BrokerError> {
+        for q in [
+            &topology.queue,
+            &topology.retry_queue,
+            &topology.parking_queue,
+        ] {
+            self.channel
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await?;
+        }
+        if let Some(exchange) = &topology.exchange {
+            self.channel
+                .exchange_delete(exchange.as_str().into(), Default::default())
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Closes the connection.
+    pub async fn close(self) {
+        let _ = self.connection.close(200, "bye".into()).await;
+    }
+}
+
+pub(super) async fn publish_confirmed(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    properties: BasicProperties,
+) -> Result<(), BrokerError> {
+    let confirm = channel
+        .basic_publish(
+            short("exchange", exchange)?,
+            short("routing key", routing_key)?,
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            body,
+            properties,
+        )
+        .await?
+        .await?;
+    match confirm {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(_)) | Confirmation::Nack(_) | Confirmation::NotRequested => {
+            Err(BrokerError::NotConfirmed(format!(
+                "exchange {exchange:?}, routing key {routing_key:?}"
+            )))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn overlong_short_strings_are_errors_not_panics() {
+        let long = "x".repeat(256);
+        let id = OutgoingMessage {
+            message_id: Some(long.clone()),
+            ..OutgoingMessage::default()
+        };
+        assert!(matches!(
+            id.properties(),
+            Err(BrokerError::TooLong { len: 256, ref what }) if what == "message-id"
+        ));
+        let mut nested = Map::new();
+        nested.insert("outer".into(), json!({ long.clone(): 1 }));
+        let header = OutgoingMessage {
+            headers: nested,
+            ..OutgoingMessage::default()
+        };
+        assert!(matches!(
+            header.properties(),
+            Err(BrokerError::TooLong { len: 256, .. })
+        ));
+        let fits = OutgoingMessage {
+            message_id: Some("x".repeat(255)),
+            ..OutgoingMessage::default()
+        };
+        assert!(fits.properties().is_ok());
+    }
+}

@@ -1,0 +1,179 @@
+//! The consumer runtime's broker connection: a consuming channel with prefetch and a
+//! confirm-mode channel for parking; deliveries as they arrive.
+
+use std::{sync::Arc, time::Instant};
+
+use futures::StreamExt;
+use lapin::{
+    Channel, Connection,
+    message::Delivery,
+    options::{BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions},
+    types::{FieldTable, ShortString},
+};
+
+use super::{connect, headers::table_to_json, settle::Settler, topology::declare};
+use crate::{envelope::AmqpMessage, error::BrokerError};
+
+/// A delivery waiting for its outcome. Holds the acker; only [`settle`] uses it.
+pub(crate) struct PendingDelivery {
+    pub(super) delivery: Delivery,
+    pub(super) received_at: Instant,
+}
+
+impl PendingDelivery {
+    /// Splits a lapin delivery into its broker handle and a broker-neutral message.
+    pub(crate) fn new(mut delivery: Delivery) -> (Self, AmqpMessage) {
+        // Move the body out first, so it is not copied.
+        let body = std::mem::take(&mut delivery.data);
+        let mut message = amqp_message(&delivery);
+        message.body = body;
+        let received_at = Instant::now();
+        (
+            Self {
+                delivery,
+                received_at,
+            },
+            message,
+        )
+    }
+
+    pub(crate) fn tag(&self) -> u64 {
+        self.delivery.delivery_tag
+    }
+}
+
+pub(super) fn amqp_message(delivery: &Delivery) -> AmqpMessage {
+    let p = &delivery.properties;
+    AmqpMessage {
+        message_id: p.message_id().as_ref().map(|s| s.as_str().to_owned()),
+        kind: p.kind().as_ref().map(|s| s.as_str().to_owned()),
+        content_type: p.content_type().as_ref().map(|s| s.as_str().to_owned()),
+        correlation_id: p.correlation_id().as_ref().map(|s| s.as_str().to_owned()),
+        headers: p.headers().as_ref().map(table_to_json).unwrap_or_default(),
+        body: delivery.data.clone(),
+        redelivered: delivery.redelivered,
+    }
+}
+
+/// One broker connection of the consumer runtime: a consuming channel with prefetch, and a
+/// confirm-mode channel for parking.
+pub(crate) struct Session {
+    connection: Arc<Connection>,
+    channel: Channel,
+    deliveries: lapin::Consumer,
+    settler: Arc<Settler>,
+}
+
+/// Whether a broker error is a configuration mismatch that retrying cannot fix (a queue
+/// declared elsewhere with other arguments, a missing permission).
+pub(crate) fn is_fatal(e: &BrokerError) -> bool {
+    match e {
+        BrokerError::Amqp(e) => match e.kind() {
+            lapin::ErrorKind::ProtocolError(amqp) => matches!(
+                amqp.kind(),
+                lapin::protocol::AMQPErrorKind::Soft(
+                    lapin::protocol::AMQPSoftError::PRECONDITIONFAILED
+                        | lapin::protocol::AMQPSoftError::ACCESSREFUSED
+                ) | lapin::protocol::AMQPErrorKind::Hard(
+                    lapin::protocol::AMQPHardError::NOTALLOWED
+                )
+            ),
+            _ => false,
+        },
+        // Producer-side input errors; the consumer's parking path only republishes names
+        // that already came through AMQP, so they never stop a consumer.
+        BrokerError::NotConfirmed(_) | BrokerError::TooLong { .. } => false,
+    }
+}
+
+impl Session {
+    pub(crate) async fn open(
+        amqp_url: &str,
+        config: &crate::ConsumerConfig,
+    ) -> Result<Self, BrokerError> {
+        let connection =
+            connect(amqp_url, &format!("rabbit-inbox {}", config.consumer_name)).await?;
+        let channel = connection.create_channel().await?;
+        declare(&channel, &config.topology, config.retry.retry_delay).await?;
+        channel
+            .basic_qos(config.prefetch, BasicQosOptions::default())
+            .await?;
+        let parking_channel = connection.create_channel().await?;
+        parking_channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        let deliveries = channel
+            .basic_consume(
+                config.topology.queue.as_str().into(),
+                ShortString::from(""),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        Ok(Self {
+            connection: Arc::new(connection),
+            channel: channel.clone(),
+            settler: Arc::new(Settler::new(
+                channel.clone(),
+                parking_channel,
+                &config.topology.parking_queue,
+                &config.consumer_name,
+            )),
+            deliveries,
+        })
+    }
+
+    /// The next delivery; `None` when the consumer was cancelled by the broker or the
+    /// connection closed.
+    pub(crate) async fn next_delivery(
+        &mut self,
+    ) -> Option<Result<(PendingDelivery, AmqpMessage), BrokerError>> {
+        match self.deliveries.next().await? {
+            Ok(delivery) => Some(Ok(PendingDelivery::new(delivery))),
+            Err(e) => Some(Err(e.into())),
+        }
+    }
+
+    pub(crate) fn settler(&self) -> Arc<Settler> {
+        self.settler.clone()
+    }
+
+    /// A handle that can drop this session's connection (fault injection).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn connection(&self) -> Arc<Connection> {
+        self.connection.clone()
+    }
+
+    /// Stops new deliveries; deliveries already received can still be settled.
+    pub(crate) async fn cancel(&self) {
+        let tag = self.deliveries.tag();
+        if let Err(e) = self
+            .channel
+            .basic_cancel(tag, lapin::options::BasicCancelOptions::default())
+            .await
+        {
+            tracing::debug!(error = %e, "basic.cancel failed");
+        }
+    }
+
+    /// Closes channels and connection cleanly. Unsettled deliveries return to the queue.
+    pub(crate) async fn close(self) {
+        let _ = self.channel.close(200, "shutdown".into()).await;
+        let _ = self.connection.close(200, "shutdown".into()).await;
+    }
+}
+
+/// A connection handle, for fault injection.
+#[cfg(feature = "fault-injection")]
+pub(crate) type ConnectionHandle = Connection;
+
+/// Closes a session's connection between commit and ack (fault injection).
+#[cfg(feature = "fault-injection")]
+pub(crate) async fn drop_connection(connection: &Connection) {
+    let _ = connection
+        .close(
+            320,
+            "fault injection: connection dropped after commit".into(),
+        )
+        .await;
+}
