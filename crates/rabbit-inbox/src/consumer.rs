@@ -70,6 +70,20 @@ impl<H: BatchHandler> Consumer<H> {
         handler: H,
     ) -> Result<Self, ConfigError> {
         config.validate()?;
+        // Each lane holds a connection for as long as it runs; with no connection beyond them,
+        // whatever else needs one (a handler's own queries, tools sharing the pool) waits for
+        // the acquire timeout on every batch.
+        let max_connections = pool.options().get_max_connections();
+        if max_connections as usize <= config.lanes {
+            return Err(ConfigError::InvalidSetting {
+                name: "pool",
+                reason: format!(
+                    "the pool allows {max_connections} connections and the consumer runs {} lanes, \
+                     each holding one; allow at least lanes + 1 (set max_connections, or fewer lanes)",
+                    config.lanes
+                ),
+            });
+        }
         Ok(Self {
             amqp_url: amqp_url.into(),
             processor: Arc::new(Processor::new(pool, Arc::new(handler), &config)),
@@ -177,6 +191,16 @@ impl<H: BatchHandler> Consumer<H> {
                 }
                 () = broken.notified() => {
                     break SessionEnd::Lost("deliveries could not be settled".into());
+                }
+                // A lane ends only when its channel closes, so an early end is a crash: its
+                // deliveries are unsettled and would hold back every later multiple-ack.
+                Some(ended) = lanes.join_next() => {
+                    let reason = match ended {
+                        Err(e) => format!("a lane failed: {e}"),
+                        Ok(()) => "a lane stopped".to_owned(),
+                    };
+                    tracing::error!(%reason, "lane ended while consuming; reconnecting so its deliveries return");
+                    break SessionEnd::Lost(reason);
                 }
                 next = session.next_delivery() => next,
             };

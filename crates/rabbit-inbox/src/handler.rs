@@ -2,13 +2,21 @@
 //! connection, and says how it went. It has no way to ack; the consumer settles deliveries only
 //! after the outcome is durable.
 
-use std::{borrow::Cow, future::Future};
+use std::{any::Any, borrow::Cow, future::Future, panic::AssertUnwindSafe};
 
+use futures::FutureExt;
 use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
 use sqlx::PgConnection;
 
-use crate::envelope::Envelope;
+use crate::{
+    db_error::{DbErrorClass, deterministic_code},
+    envelope::Envelope,
+};
+
+/// Error code recorded when a handler panics. The message is parked with the panic's text: a
+/// panic in a handler is a bug the message exposed, and retrying runs into it again.
+pub const HANDLER_PANICKED: &str = "handler_panicked";
 
 /// A message as a handler sees it: the envelope plus the consumer's view of it.
 #[derive(Debug, Clone, Copy)]
@@ -85,6 +93,9 @@ pub struct HandlerError {
     kind: ErrorKind,
     code: Cow<'static, str>,
     message: String,
+    /// Set when the error came from the database: how the runtime should treat it beyond
+    /// `kind` (run the transaction again, requeue during an outage, find the real culprit).
+    db_class: Option<DbErrorClass>,
 }
 
 impl HandlerError {
@@ -94,6 +105,7 @@ impl HandlerError {
             kind: ErrorKind::Retryable,
             code: code.into(),
             message: message.into(),
+            db_class: None,
         }
     }
 
@@ -103,7 +115,22 @@ impl HandlerError {
             kind: ErrorKind::Permanent,
             code: code.into(),
             message: message.into(),
+            db_class: None,
         }
+    }
+
+    /// The permanent failure of a handler that panicked, with the panic's message.
+    pub(crate) fn panicked(panic: &(dyn Any + Send)) -> Self {
+        let text = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".to_owned());
+        Self::permanent(HANDLER_PANICKED, format!("the handler panicked: {text}"))
+    }
+
+    pub(crate) fn db_class(&self) -> Option<DbErrorClass> {
+        self.db_class
     }
 
     /// Retryable or permanent.
@@ -122,21 +149,27 @@ impl HandlerError {
     }
 }
 
-/// Database errors inside a handler: constraint violations are permanent (the same statement
-/// will fail again), everything else (connection loss, lock timeouts, serialization
-/// failures) is retryable.
+/// Database errors inside a handler. Deterministic ones (SQLSTATE classes 22, 23, 42, 54: bad
+/// data, a violated constraint, an invalid statement, a value over a limit) are permanent: the
+/// same statement fails again. The runtime treats the rest by their class, beyond `kind`:
+/// deadlocks and serialization failures run the transaction again without charging an
+/// attempt, an outage requeues the message without charging it, and "transaction aborted"
+/// (25P02) blames whichever message's statement failed first. Anything else is retryable.
 impl From<sqlx::Error> for HandlerError {
     fn from(e: sqlx::Error) -> Self {
-        match &e {
-            sqlx::Error::Database(db)
-                if db
+        let class = DbErrorClass::of(&e);
+        let mut error = match (&e, class) {
+            (sqlx::Error::Database(db), DbErrorClass::Deterministic) => {
+                let code = db
                     .code()
-                    .is_some_and(|c| c.starts_with("23") || c.starts_with("22")) =>
-            {
-                HandlerError::permanent("db_constraint", db.message().to_owned())
+                    .map(|c| deterministic_code(&c))
+                    .unwrap_or("db_error");
+                HandlerError::permanent(code, db.message().to_owned())
             }
             _ => HandlerError::retryable("db_error", e.to_string()),
-        }
+        };
+        error.db_class = Some(class);
+        error
     }
 }
 
@@ -202,9 +235,16 @@ impl<H: Handler> BatchHandler for PerMessage<H> {
         tx: &mut PgConnection,
     ) -> Result<(), BatchError> {
         for (index, msg) in msgs.iter().enumerate() {
-            if let Err(error) = self.0.handle(msg, tx).await {
-                return Err(BatchError::Message { index, error });
-            }
+            // A panic is this message's failure; the others of the batch are innocent.
+            let error = match AssertUnwindSafe(self.0.handle(msg, tx))
+                .catch_unwind()
+                .await
+            {
+                Ok(Ok(())) => continue,
+                Ok(Err(error)) => error,
+                Err(panic) => HandlerError::panicked(&*panic),
+            };
+            return Err(BatchError::Message { index, error });
         }
         Ok(())
     }

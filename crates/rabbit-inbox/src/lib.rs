@@ -37,6 +37,7 @@
 mod broker;
 mod config;
 mod consumer;
+mod db_error;
 mod dedup;
 mod envelope;
 mod error;
@@ -63,9 +64,10 @@ pub use error::{BrokerError, ConfigError, ConsumerError, StoreError};
 #[cfg(feature = "fault-injection")]
 pub use fault::FaultPlan;
 pub use handler::{
-    BatchError, BatchHandler, ErrorKind, Handler, HandlerError, InboxMessage, PerMessage,
+    BatchError, BatchHandler, ErrorKind, HANDLER_PANICKED, Handler, HandlerError, InboxMessage,
+    PerMessage,
 };
-pub use processor::{Outcome, PAYLOAD_CONFLICT};
+pub use processor::{Outcome, PAYLOAD_CONFLICT, TRANSACTION_ABORTED};
 pub use schema::{MIGRATOR, SchemaName, drop_schema, migrate};
 pub use stats::{ConsumerStats, StatsSnapshot};
 pub use store::{

@@ -1,21 +1,30 @@
 //! Turns a batch of parsed deliveries into durable outcomes (database only; no broker here).
 //!
-//! One transaction per batch: claim all keys with one multi-row insert, run the handler for the
-//! new ones, mark them PROCESSED, commit once. A handler failure rolls the batch back; the batch
-//! is re-run without the failing message (optimistic group commit: cheap when failures are rare),
-//! and the failure is recorded afterwards in its own short transaction.
+//! One transaction per batch: claim all keys with one multi-row insert (new rows go in
+//! PROCESSED, invisible until the commit that carries the effect), run the handler for the new
+//! ones, check the transaction is still the one that claimed, commit once. When the handler
+//! fails for one message the batch rolls back and the work splits there: the messages before
+//! it run again and commit, the failing one is recorded, the rest continue as a new batch. So
+//! each handler runs at most twice per message on average, however many messages fail. The
+//! failures of a round are recorded together in one short transaction afterwards.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{
+    collections::{HashMap, VecDeque},
+    panic::AssertUnwindSafe,
+    sync::{Arc, Mutex, PoisonError},
+};
 
+use futures::FutureExt;
 use sha2::{Digest, Sha256};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, pool::PoolConnection};
 
 use crate::{
     config::{ConsumerConfig, PayloadStorage, RetryPolicy},
+    db_error::{DbErrorClass, deterministic_code},
     envelope::{Envelope, InvalidMessage},
     error::StoreError,
-    handler::{BatchError, BatchHandler, ErrorKind, HandlerError, InboxMessage},
-    store::{Claim, Failure, InboxStatus, InboxStore, Redelivery},
+    handler::{BatchError, BatchHandler, ErrorKind, HANDLER_PANICKED, HandlerError, InboxMessage},
+    store::{Claim, Failure, InboxRecord, InboxStatus, InboxStore, Redelivery},
 };
 
 /// A delivery after parsing: an envelope, or the reason it cannot be processed.
@@ -59,8 +68,21 @@ pub enum Outcome {
 /// Error code of a body that differs from the one first recorded under the same key.
 pub const PAYLOAD_CONFLICT: &str = "payload_conflict";
 
+/// Error code of a message whose handler left the transaction unusable: it ignored a failed
+/// statement (the transaction is aborted) or ended the transaction itself.
+pub const TRANSACTION_ABORTED: &str = "transaction_aborted";
+
+/// Requeues "database unavailable" after which a message is logged by its key: one or two are
+/// an outage being ridden out, more point at the message.
+const REQUEUE_WARN_AFTER: u32 = 3;
+
 /// A lane's database connection, kept across batches: taking one from the pool costs a ping
 /// round trip each time. Discarded after a database error, so a broken one is not reused.
+///
+/// Its session default is `default_transaction_read_only = on` and every transaction of the
+/// runtime begins `READ WRITE`: a handler that ends the transaction itself (`ROLLBACK`,
+/// `COMMIT`) cannot go on writing in autocommit mode, outside any inbox row. The connection is
+/// therefore never handed back to the pool: it is closed when the lane lets it go.
 pub(crate) struct LaneConnection {
     pool: PgPool,
     conn: Option<PoolConnection<Postgres>>,
@@ -73,7 +95,11 @@ impl LaneConnection {
 
     async fn get(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
         if self.conn.is_none() {
-            self.conn = Some(self.pool.acquire().await?);
+            let mut conn = self.pool.acquire().await?;
+            sqlx::raw_sql("SET default_transaction_read_only = on")
+                .execute(&mut *conn)
+                .await?;
+            self.conn = Some(conn);
         }
         match self.conn.as_mut() {
             Some(conn) => Ok(&mut **conn),
@@ -81,8 +107,22 @@ impl LaneConnection {
         }
     }
 
+    /// Begins a read-write transaction on the lane's connection.
+    async fn begin(&mut self) -> Result<sqlx::Transaction<'_, Postgres>, sqlx::Error> {
+        self.get().await?.begin_with("BEGIN READ WRITE").await
+    }
+
     fn discard(&mut self) {
-        self.conn = None;
+        if let Some(conn) = self.conn.take() {
+            // Closed, not returned: its session settings are the lane's, not the pool's.
+            drop(conn.detach());
+        }
+    }
+}
+
+impl Drop for LaneConnection {
+    fn drop(&mut self) {
+        self.discard();
     }
 }
 
@@ -95,41 +135,87 @@ pub(crate) struct Processor<H> {
     lock_aggregates: bool,
     payload_storage: PayloadStorage,
     body_must_match: bool,
+    /// Keys requeued as "unavailable" in a row, to name the ones that keep coming back.
+    requeues: Mutex<HashMap<String, u32>>,
 }
 
 /// Why a batch transaction did not commit.
 enum TxError {
-    /// The handler failed for the message at this index: re-run without it.
+    /// The handler failed for the message at this index.
     Handler(usize, HandlerError),
-    /// A batch handler failed without saying for which message: isolate them.
-    Unattributed(HandlerError),
+    /// The transaction failed and which message caused it is unknown: run each message on its
+    /// own to find out. A message that fails alone is charged with this error.
+    Isolate(HandlerError),
     /// Deadlock, serialization failure or a row that vanished mid-claim: run again.
-    Transient(StoreError),
-    /// The database failed; nothing was committed (or the commit outcome is unknown).
-    Database(StoreError),
+    Transient(String),
+    /// The database cannot serve (or the commit outcome is unknown): nothing is charged, the
+    /// messages are requeued.
+    Outage(String),
 }
 
-impl From<StoreError> for TxError {
-    fn from(e: StoreError) -> Self {
-        let transient = match &e {
-            StoreError::Corrupt(_) => true,
-            StoreError::Database(sqlx::Error::Database(db)) => {
-                matches!(db.code().as_deref(), Some("40001" | "40P01"))
+impl TxError {
+    /// A failure of the library's own statements inside the batch transaction.
+    fn from_store(e: StoreError) -> Self {
+        match &e {
+            // A row vanished between insert and select (retention ran): run again.
+            StoreError::Corrupt(_) => TxError::Transient(e.to_string()),
+            StoreError::Database(db) => Self::from_db(db, &e.to_string()),
+            StoreError::Migrate(_) => TxError::Outage(e.to_string()),
+        }
+    }
+
+    fn from_db(e: &sqlx::Error, text: &str) -> Self {
+        match DbErrorClass::of(e) {
+            DbErrorClass::Transient => TxError::Transient(text.to_owned()),
+            DbErrorClass::Aborted => TxError::Isolate(aborted()),
+            DbErrorClass::Deterministic => {
+                let code = match e {
+                    sqlx::Error::Database(db) => db.code().map(|c| deterministic_code(&c)),
+                    _ => None,
+                };
+                TxError::Isolate(HandlerError::permanent(
+                    code.unwrap_or("db_error"),
+                    text.to_owned(),
+                ))
             }
-            _ => false,
-        };
-        if transient {
-            TxError::Transient(e)
-        } else {
-            TxError::Database(e)
+            DbErrorClass::Outage | DbErrorClass::Other => TxError::Outage(text.to_owned()),
+        }
+    }
+
+    /// A handler's failure, for the message at `index` when the handler said which one.
+    fn from_handler(index: Option<usize>, e: HandlerError) -> Self {
+        match e.db_class() {
+            Some(DbErrorClass::Transient) => TxError::Transient(e.to_string()),
+            Some(DbErrorClass::Outage) => TxError::Outage(e.to_string()),
+            // The statement failed because an earlier one did, maybe another message's.
+            Some(DbErrorClass::Aborted) => TxError::Isolate(aborted()),
+            _ => match index {
+                Some(i) => TxError::Handler(i, e),
+                None => TxError::Isolate(e),
+            },
         }
     }
 }
 
-impl From<sqlx::Error> for TxError {
-    fn from(e: sqlx::Error) -> Self {
-        StoreError::from(e).into()
-    }
+fn aborted() -> HandlerError {
+    HandlerError::retryable(
+        TRANSACTION_ABORTED,
+        "a statement failed inside the transaction and the handler carried on (or it ended \
+         the transaction itself); nothing of it was committed",
+    )
+}
+
+/// A failure to record once the round's transactions are done.
+struct PendingFailure {
+    index: usize,
+    status: InboxStatus,
+    code: String,
+    message: String,
+    store_payload: bool,
+    /// An invalid delivery: it must never change the row of a valid copy of its key.
+    invalid: bool,
+    /// Record without the producer's optional fields (after they could not be stored).
+    minimal: bool,
 }
 
 /// Transaction attempts for deadlocks and the like before giving up on a batch.
@@ -146,6 +232,7 @@ impl<H: BatchHandler> Processor<H> {
             lock_aggregates: config.lock_aggregates,
             payload_storage: config.payload_storage,
             body_must_match: config.envelope.dedup.body_must_match(),
+            requeues: Mutex::default(),
         }
     }
 
@@ -159,21 +246,26 @@ impl<H: BatchHandler> Processor<H> {
         let mut outcomes: Vec<Option<Outcome>> = vec![None; items.len()];
 
         // Bad input: recorded and parked, never processed.
-        for (i, item) in items.iter().enumerate() {
-            if let Err(invalid) = item {
-                let store_payload = self.payload_storage != PayloadStorage::Never
-                    && invalid.reason != crate::InvalidReason::PayloadTooLarge;
-                outcomes[i] = Some(
-                    self.record_failure(
-                        &invalid.envelope,
-                        InboxStatus::PermanentFailed,
-                        invalid.reason.code(),
-                        &invalid.detail,
-                        store_payload,
-                    )
-                    .await,
-                );
-            }
+        let invalid: Vec<PendingFailure> = items
+            .iter()
+            .enumerate()
+            .filter_map(|(index, item)| {
+                let invalid = item.as_ref().err()?;
+                Some(PendingFailure {
+                    index,
+                    status: InboxStatus::PermanentFailed,
+                    code: invalid.reason.code().to_owned(),
+                    message: invalid.detail.clone(),
+                    store_payload: self.payload_storage != PayloadStorage::Never
+                        && invalid.reason != crate::InvalidReason::PayloadTooLarge,
+                    invalid: true,
+                    minimal: false,
+                })
+            })
+            .collect();
+        if !invalid.is_empty() {
+            self.record_failures(items, invalid, &mut outcomes, db)
+                .await;
         }
 
         // The same key twice in one batch: later copies wait for a later round, where they meet
@@ -189,14 +281,49 @@ impl<H: BatchHandler> Processor<H> {
             pending = later;
         }
 
-        outcomes
+        let outcomes: Vec<Outcome> = outcomes
             .into_iter()
             .map(|o| {
                 o.unwrap_or_else(|| Outcome::Unrecorded {
                     error: "internal: no outcome".into(),
                 })
             })
-            .collect()
+            .collect();
+        self.track_requeues(items, &outcomes);
+        outcomes
+    }
+
+    /// Names the messages that keep being requeued as "unavailable": after an outage they go
+    /// through; one that does not is likely the cause, and an operator needs its key.
+    fn track_requeues(&self, items: &[Parsed], outcomes: &[Outcome]) {
+        let mut requeues = self.requeues.lock().unwrap_or_else(PoisonError::into_inner);
+        for (i, outcome) in outcomes.iter().enumerate() {
+            let key = envelope_of(items, i).message_id.as_str();
+            match outcome {
+                Outcome::Unrecorded { error } => {
+                    if requeues.len() >= 100_000 && !requeues.contains_key(key) {
+                        // Bounded: a long outage must not grow memory without limit.
+                        requeues.clear();
+                    }
+                    let n = requeues.entry(key.to_owned()).or_default();
+                    *n += 1;
+                    if *n > REQUEUE_WARN_AFTER {
+                        metrics::counter!("rabbit_inbox_repeated_requeues_total", "consumer" => self.consumer.clone())
+                            .increment(1);
+                        tracing::warn!(
+                            message_id = key,
+                            requeues = *n,
+                            %error,
+                            "message requeued again because its outcome could not be recorded"
+                        );
+                    }
+                }
+                _ if !requeues.is_empty() => {
+                    requeues.remove(key);
+                }
+                _ => {}
+            }
+        }
     }
 
     async fn run_round(
@@ -206,89 +333,67 @@ impl<H: BatchHandler> Processor<H> {
         outcomes: &mut [Option<Outcome>],
         db: &mut LaneConnection,
     ) {
-        let mut active = round;
-        let mut failed: Vec<(usize, HandlerError)> = Vec::new();
+        let mut queue = VecDeque::from([round]);
+        let mut failed: Vec<PendingFailure> = Vec::new();
         let mut transient_retries = 0;
-        while !active.is_empty() {
-            let attempt = self.transaction(items, &active, db).await;
-            if matches!(attempt, Err(TxError::Database(_))) {
-                db.discard();
+        while let Some(active) = queue.pop_front() {
+            if active.is_empty() {
+                continue;
             }
-            match attempt {
+            match self.transaction(items, &active, db).await {
                 Ok(decided) => {
+                    transient_retries = 0;
                     for (i, outcome) in decided {
                         outcomes[i] = Some(outcome);
                     }
-                    break;
                 }
                 Err(TxError::Handler(i, e)) => {
-                    active.retain(|&a| a != i);
-                    failed.push((i, e));
+                    // Linear in failures: what ran before the failing message runs again and
+                    // commits, what comes after it goes on as a batch of its own.
+                    let at = active.iter().position(|&a| a == i).unwrap_or(0);
+                    queue.push_front(active[at + 1..].to_vec());
+                    queue.push_front(active[..at].to_vec());
+                    failed.push(self.handler_failure(i, &e));
                 }
-                Err(TxError::Unattributed(e)) if active.len() > 1 => {
-                    tracing::debug!(error = %e, "batch failed without a culprit; isolating its messages");
-                    for i in std::mem::take(&mut active) {
-                        Box::pin(self.run_round(items, vec![i], outcomes, db)).await;
+                Err(TxError::Isolate(e)) if active.len() > 1 => {
+                    tracing::debug!(error = %e, batch = active.len(), "batch failed without a culprit; one message per transaction");
+                    for &i in active.iter().rev() {
+                        queue.push_front(vec![i]);
                     }
                 }
-                Err(TxError::Unattributed(e)) => {
-                    failed.extend(active.drain(..).map(|i| (i, e.clone())));
-                }
+                Err(TxError::Isolate(e)) => failed.push(self.handler_failure(active[0], &e)),
                 Err(TxError::Transient(e)) if transient_retries < MAX_TRANSIENT_RETRIES => {
                     transient_retries += 1;
                     tracing::debug!(error = %e, "batch transaction conflict, running it again");
+                    queue.push_front(active);
                 }
-                Err(TxError::Transient(e) | TxError::Database(e)) if active.len() > 1 => {
-                    // A handler may have swallowed an SQL error and left the transaction
-                    // aborted: isolate the messages so only the culprit is blamed.
-                    tracing::warn!(error = %e, batch = active.len(), "batch failed; retrying one message per transaction");
-                    for i in std::mem::take(&mut active) {
-                        Box::pin(self.run_round(items, vec![i], outcomes, db)).await;
-                    }
-                }
-                Err(TxError::Transient(e) | TxError::Database(e)) => {
-                    let error = e.to_string();
+                Err(TxError::Transient(error) | TxError::Outage(error)) => {
+                    db.discard();
                     for &i in &active {
-                        outcomes[i] = Some(match &e {
-                            StoreError::Database(sqlx::Error::Database(db))
-                                if db.code().as_deref() == Some("25P02") =>
-                            {
-                                // The transaction was aborted by a statement the handler ran
-                                // and ignored.
-                                failed.push((
-                                    i,
-                                    HandlerError::retryable(
-                                        "transaction_aborted",
-                                        db.message().to_owned(),
-                                    ),
-                                ));
-                                continue;
-                            }
-                            _ => Outcome::Unrecorded {
-                                error: error.clone(),
-                            },
+                        outcomes[i] = Some(Outcome::Unrecorded {
+                            error: error.clone(),
                         });
                     }
-                    break;
                 }
             }
         }
-        for (i, e) in failed {
-            let status = match e.kind() {
+        if !failed.is_empty() {
+            self.record_failures(items, failed, outcomes, db).await;
+        }
+    }
+
+    fn handler_failure(&self, index: usize, e: &HandlerError) -> PendingFailure {
+        PendingFailure {
+            index,
+            status: match e.kind() {
                 ErrorKind::Retryable => InboxStatus::RetryableFailed,
                 ErrorKind::Permanent => InboxStatus::PermanentFailed,
-            };
-            let store_payload = self.payload_storage != PayloadStorage::Never;
-            outcomes[i] = Some(
-                self.record_failure(
-                    envelope_of(items, i),
-                    status,
-                    e.code(),
-                    e.message(),
-                    store_payload,
-                )
-                .await,
-            );
+            },
+            code: e.code().to_owned(),
+            message: e.message().to_owned(),
+            store_payload: self.payload_storage != PayloadStorage::Never,
+            invalid: false,
+            minimal: false,
         }
     }
 
@@ -299,51 +404,76 @@ impl<H: BatchHandler> Processor<H> {
         active: &[usize],
         db: &mut LaneConnection,
     ) -> Result<Vec<(usize, Outcome)>, TxError> {
-        let mut tx = db.get().await?.begin().await?;
-        match self.apply(items, active, &mut tx).await {
-            Ok(decided) => {
+        let mut tx = db
+            .begin()
+            .await
+            .map_err(|e| TxError::Outage(e.to_string()))?;
+        let mut result = self.apply(items, active, &mut tx).await;
+        if let Ok((_, Some(txid))) = &result {
+            // One check per batch, only when a handler ran: the transaction must still be the
+            // one that claimed. PostgreSQL answers COMMIT on an aborted transaction with a
+            // ROLLBACK tag and no error, and after a handler's own ROLLBACK there is nothing to
+            // commit; either way reporting an outcome would lose the messages.
+            match self.store.current_txid(&mut tx).await {
+                Ok(Some(now)) if now == *txid => {}
+                Ok(_) => result = Err(TxError::Isolate(aborted())),
+                Err(e) => result = Err(TxError::from_db(&e, &e.to_string())),
+            }
+        }
+        match result {
+            Ok((decided, _)) => {
                 // A failed commit leaves the outcome unknown: report Unrecorded, the message
-                // comes back, and the inbox tells on redelivery whether it committed.
-                tx.commit()
-                    .await
-                    .map_err(|e| TxError::Database(StoreError::from(e)))?;
+                // comes back, and the inbox tells on redelivery whether it committed. Only a
+                // deferred constraint is known to have failed for the data's sake.
+                tx.commit().await.map_err(|e| match DbErrorClass::of(&e) {
+                    DbErrorClass::Deterministic | DbErrorClass::Transient => {
+                        TxError::from_db(&e, &e.to_string())
+                    }
+                    _ => TxError::Outage(e.to_string()),
+                })?;
                 Ok(decided)
             }
             Err(e) => {
-                // Roll back now, not lazily on the connection's next use: the failure is
-                // recorded next on another connection and would wait for this claim's locks.
-                tx.rollback()
-                    .await
-                    .map_err(|e| TxError::Database(StoreError::from(e)))?;
+                // Roll back now, not lazily on the connection's next use: the failures are
+                // recorded next and would wait for this claim's locks.
+                let rolled_back = tx.rollback().await;
+                let panicked = matches!(&e, TxError::Handler(_, h) | TxError::Isolate(h) if h.code() == HANDLER_PANICKED);
+                if rolled_back.is_err() || panicked || matches!(e, TxError::Outage(_)) {
+                    // A panic may have left a statement half-read on the connection.
+                    db.discard();
+                }
                 Err(e)
             }
         }
     }
 
     /// The batch transaction's work: claims, decisions, handlers, marks. Returns the outcomes
-    /// it will have once committed.
+    /// it will have once committed, and the claiming transaction's id when a handler ran.
     async fn apply(
         &self,
         items: &[Parsed],
         active: &[usize],
         tx: &mut PgConnection,
-    ) -> Result<Vec<(usize, Outcome)>, TxError> {
+    ) -> Result<(Vec<(usize, Outcome)>, Option<i64>), TxError> {
         let envelopes: Vec<&Envelope> = active.iter().map(|&i| envelope_of(items, i)).collect();
-        let claims = self
+        let batch = self
             .store
-            .try_claim_many_committing(
+            .claim_committing(
                 &mut *tx,
                 &self.consumer,
                 &envelopes,
                 self.payload_storage == PayloadStorage::Always,
             )
-            .await?;
+            .await
+            .map_err(TxError::from_store)?;
 
+        let stale_after = chrono::Duration::from_std(self.retry.stale_processing_after)
+            .unwrap_or(chrono::Duration::MAX);
         let mut decided = Vec::with_capacity(active.len());
         let mut run: Vec<(usize, i32)> = Vec::new();
         let mut reclaim: Vec<usize> = Vec::new();
         let mut redeliveries = Vec::new();
-        for ((&i, envelope), claim) in active.iter().zip(&envelopes).zip(claims) {
+        for ((&i, envelope), claim) in active.iter().zip(&envelopes).zip(batch.claims) {
             let record = match claim {
                 Claim::Claimed => {
                     run.push((i, 1));
@@ -351,8 +481,7 @@ impl<H: BatchHandler> Processor<H> {
                 }
                 Claim::Existing(record) => record,
             };
-            let conflict =
-                self.body_must_match && record.payload_sha256[..] != envelope.payload_sha256[..];
+            let conflict = self.body_must_match && !same_body(&record.payload_sha256, envelope);
             redeliveries.push(Redelivery {
                 message_id: &envelope.message_id,
                 conflicting_sha256: conflict.then_some(&envelope.payload_sha256[..]),
@@ -381,12 +510,11 @@ impl<H: BatchHandler> Processor<H> {
                     continue;
                 }
                 InboxStatus::Processing => {
-                    let stale_after = chrono::Duration::from_std(self.retry.stale_processing_after)
-                        .unwrap_or(chrono::Duration::MAX);
                     let started = record
                         .processing_started_at
                         .unwrap_or(record.last_received_at);
-                    if chrono::Utc::now() - started > stale_after {
+                    // The database's clock on both sides: hosts' clocks drift.
+                    if batch.db_now - started > stale_after {
                         reclaim.push(i);
                         continue;
                     }
@@ -394,11 +522,7 @@ impl<H: BatchHandler> Processor<H> {
                 }
                 // Already parked once; this copy is a redelivery (e.g. a crash between the
                 // parking publish and the ack). Park it again rather than risk losing it.
-                InboxStatus::PermanentFailed | InboxStatus::Poisoned => Outcome::Parked {
-                    status: record.status,
-                    code: record.last_error_code.clone().unwrap_or_default(),
-                    message: record.last_error_message.clone().unwrap_or_default(),
-                },
+                InboxStatus::PermanentFailed | InboxStatus::Poisoned => parked_again(&record),
             };
             decided.push((i, outcome));
         }
@@ -410,7 +534,8 @@ impl<H: BatchHandler> Processor<H> {
             let attempts = self
                 .store
                 .mark_processing(&mut *tx, &self.consumer, &ids)
-                .await?;
+                .await
+                .map_err(TxError::from_store)?;
             for &i in &reclaim {
                 let id = &envelope_of(items, i).message_id;
                 let attempt = attempts
@@ -418,14 +543,15 @@ impl<H: BatchHandler> Processor<H> {
                     .find(|(a, _)| a == id)
                     .map(|(_, n)| *n)
                     .ok_or_else(|| {
-                        StoreError::Corrupt(format!("row {id} could not be reclaimed"))
+                        TxError::Transient(format!("row {id} could not be reclaimed"))
                     })?;
                 run.push((i, attempt));
             }
         }
         self.store
             .note_redeliveries(&mut *tx, &self.consumer, &redeliveries)
-            .await?;
+            .await
+            .map_err(TxError::from_store)?;
 
         if self.lock_aggregates {
             lock_aggregates(
@@ -433,32 +559,40 @@ impl<H: BatchHandler> Processor<H> {
                 &self.consumer,
                 run.iter().map(|&(i, _)| envelope_of(items, i)),
             )
-            .await?;
+            .await
+            .map_err(TxError::from_store)?;
         }
-        if !run.is_empty() {
-            // Delivery order, whatever order the claims came back in.
-            run.sort_unstable_by_key(|&(i, _)| i);
-            let msgs: Vec<InboxMessage<'_>> = run
-                .iter()
-                .map(|&(i, attempt)| InboxMessage {
-                    envelope: envelope_of(items, i),
-                    consumer_name: &self.consumer,
-                    attempt,
-                })
-                .collect();
-            match self.handler.handle_batch(&msgs, &mut *tx).await {
-                Ok(()) => {}
-                Err(BatchError::Message { index, error }) => {
-                    let i = run.get(index).map(|&(i, _)| i).ok_or_else(|| {
-                        TxError::Unattributed(HandlerError::retryable(
-                            "bad_batch_index",
-                            format!("batch handler blamed message {index} of {}", run.len()),
-                        ))
-                    })?;
-                    return Err(TxError::Handler(i, error));
-                }
-                Err(BatchError::Batch(error)) => return Err(TxError::Unattributed(error)),
+        if run.is_empty() {
+            return Ok((decided, None));
+        }
+        // Delivery order, whatever order the claims came back in.
+        run.sort_unstable_by_key(|&(i, _)| i);
+        let msgs: Vec<InboxMessage<'_>> = run
+            .iter()
+            .map(|&(i, attempt)| InboxMessage {
+                envelope: envelope_of(items, i),
+                consumer_name: &self.consumer,
+                attempt,
+            })
+            .collect();
+        // A panic in a handler is bad input the runtime must survive, not a reason to lose the
+        // lane and every delivery it holds.
+        let handled = AssertUnwindSafe(self.handler.handle_batch(&msgs, &mut *tx))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|panic| Err(BatchError::Batch(HandlerError::panicked(&*panic))));
+        match handled {
+            Ok(()) => {}
+            Err(BatchError::Message { index, error }) => {
+                let i = run.get(index).map(|&(i, _)| i).ok_or_else(|| {
+                    TxError::Isolate(HandlerError::retryable(
+                        "bad_batch_index",
+                        format!("batch handler blamed message {index} of {}", run.len()),
+                    ))
+                })?;
+                return Err(TxError::from_handler(Some(i), error));
             }
+            Err(BatchError::Batch(error)) => return Err(TxError::from_handler(None, error)),
         }
         // New rows were inserted PROCESSED already; reclaimed ones still need the update.
         if !reclaim.is_empty() {
@@ -466,57 +600,277 @@ impl<H: BatchHandler> Processor<H> {
                 .iter()
                 .map(|&i| envelope_of(items, i).message_id.as_str())
                 .collect();
-            self.store
+            let marked = self
+                .store
                 .mark_processed(
                     &mut *tx,
                     &self.consumer,
                     &ids,
                     self.payload_storage == PayloadStorage::Always,
                 )
-                .await?;
+                .await
+                .map_err(TxError::from_store)?;
+            if marked != ids.len() as u64 {
+                return Err(TxError::Transient(format!(
+                    "{} of {} reclaimed rows changed state meanwhile",
+                    ids.len() as u64 - marked,
+                    ids.len()
+                )));
+            }
         }
         decided.extend(run.into_iter().map(|(i, _)| (i, Outcome::Processed)));
-        Ok(decided)
+        Ok((decided, Some(batch.txid)))
     }
 
-    /// Records a failure in its own short transaction and says where the message goes.
-    async fn record_failure(
+    /// Records failures in one short transaction on the lane's connection (the batch
+    /// transactions are over, so it holds no locks and needs no second connection) and says
+    /// where each message goes.
+    async fn record_failures(
         &self,
-        envelope: &Envelope,
-        status: InboxStatus,
-        code: &str,
-        message: &str,
-        store_payload: bool,
-    ) -> Outcome {
-        let failure = Failure {
-            status,
-            code,
-            message,
-            max_attempts: self.retry.max_attempts,
-            store_payload,
-        };
-        let recorded = async {
-            let mut conn = self.pool.acquire().await?;
-            self.store
-                .record_failure(&mut conn, &self.consumer, envelope, failure)
+        items: &[Parsed],
+        mut failures: Vec<PendingFailure>,
+        outcomes: &mut [Option<Outcome>],
+        db: &mut LaneConnection,
+    ) {
+        let mut transient_retries = 0;
+        loop {
+            match self.failure_transaction(items, &failures, db).await {
+                Ok(decided) => {
+                    for (i, outcome) in decided {
+                        outcomes[i] = Some(outcome);
+                    }
+                    return;
+                }
+                // A failure that cannot be stored as it is (a value over an index limit): store
+                // the minimal row, so that nothing is parked without one and nothing loops.
+                Err(FailureTxError::Unstorable(k, error)) => {
+                    if failures[k].minimal {
+                        let f = failures.remove(k);
+                        outcomes[f.index] = Some(Outcome::Unrecorded {
+                            error: format!("could not record failure {}: {error}", f.code),
+                        });
+                        if failures.is_empty() {
+                            return;
+                        }
+                    } else {
+                        tracing::warn!(%error, message_id = %envelope_of(items, failures[k].index).message_id, "failure record refused; recording a minimal row");
+                        failures[k].minimal = true;
+                    }
+                }
+                Err(FailureTxError::Transient(_)) if transient_retries < MAX_TRANSIENT_RETRIES => {
+                    transient_retries += 1;
+                }
+                Err(FailureTxError::Transient(error) | FailureTxError::Outage(error)) => {
+                    db.discard();
+                    for f in failures {
+                        outcomes[f.index] = Some(Outcome::Unrecorded {
+                            error: format!("could not record failure {}: {error}", f.code),
+                        });
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    async fn failure_transaction(
+        &self,
+        items: &[Parsed],
+        failures: &[PendingFailure],
+        db: &mut LaneConnection,
+    ) -> Result<Vec<(usize, Outcome)>, FailureTxError> {
+        let mut tx = db.begin().await.map_err(FailureTxError::outage)?;
+        let result = self.write_failures(items, failures, &mut tx).await;
+        match result {
+            Ok(decided) => {
+                tx.commit().await.map_err(FailureTxError::outage)?;
+                Ok(decided)
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn write_failures(
+        &self,
+        items: &[Parsed],
+        failures: &[PendingFailure],
+        tx: &mut PgConnection,
+    ) -> Result<Vec<(usize, Outcome)>, FailureTxError> {
+        let ids: Vec<&str> = failures
+            .iter()
+            .map(|f| envelope_of(items, f.index).message_id.as_str())
+            .collect();
+        let existing = self
+            .store
+            .lock_rows(&mut *tx, &self.consumer, &ids)
+            .await
+            .map_err(FailureTxError::store)?;
+        let mut decided = Vec::with_capacity(failures.len());
+        let mut conflicts = Vec::new();
+        for (k, f) in failures.iter().enumerate() {
+            let envelope = envelope_of(items, f.index);
+            let row = existing
+                .iter()
+                .find(|r| r.message_id == envelope.message_id);
+            if let Some(row) = row
+                && f.invalid
+                && !same_body(&row.payload_sha256, envelope)
+            {
+                // An invalid copy under the key of another message (a valid one, or another
+                // invalid body): a payload conflict. Counted on the row, which stays the valid
+                // copy's; the copy is parked with both reasons.
+                conflicts.push(Redelivery {
+                    message_id: &envelope.message_id,
+                    conflicting_sha256: Some(&envelope.payload_sha256[..]),
+                });
+                decided.push((
+                    f.index,
+                    Outcome::Parked {
+                        status: row.status,
+                        code: PAYLOAD_CONFLICT.into(),
+                        message: format!(
+                            "message id {} is recorded ({}) with another body (sha256 {}); this \
+                             copy (sha256 {}) is invalid and was not processed ({}: {})",
+                            envelope.message_id,
+                            row.status,
+                            hex::encode(&row.payload_sha256),
+                            hex::encode(envelope.payload_sha256),
+                            f.code,
+                            f.message
+                        ),
+                    },
+                ));
+                continue;
+            }
+            let minimal_envelope;
+            let stored = if f.minimal {
+                minimal_envelope = minimal(envelope);
+                &minimal_envelope
+            } else {
+                envelope
+            };
+            let failure = Failure {
+                status: f.status,
+                code: &f.code,
+                message: &f.message,
+                max_attempts: self.retry.max_attempts,
+                store_payload: f.store_payload && !f.minimal,
+            };
+            let recorded = self
+                .store
+                .record_failure(&mut *tx, &self.consumer, stored, failure)
                 .await
+                .map_err(|e| match &e {
+                    StoreError::Database(db)
+                        if DbErrorClass::of(db) == DbErrorClass::Deterministic =>
+                    {
+                        FailureTxError::Unstorable(k, e.to_string())
+                    }
+                    _ => FailureTxError::store(e),
+                })?;
+            let outcome = match recorded {
+                Some((InboxStatus::RetryableFailed, attempt)) => Outcome::RetryScheduled {
+                    attempt,
+                    code: f.code.clone(),
+                },
+                Some((status, _)) => Outcome::Parked {
+                    status,
+                    code: f.code.clone(),
+                    message: f.message.clone(),
+                },
+                // The row is PROCESSED or parked and was left alone.
+                None => {
+                    let row = match row {
+                        Some(row) => Some(row.clone()),
+                        None => self
+                            .store
+                            .find(&mut *tx, &self.consumer, &envelope.message_id)
+                            .await
+                            .map_err(FailureTxError::store)?,
+                    };
+                    match row {
+                        Some(row) if row.status == InboxStatus::Processed => Outcome::Duplicate,
+                        Some(row) if row.status.is_parked() => parked_again(&row),
+                        _ => {
+                            return Err(FailureTxError::Transient(format!(
+                                "row {} changed while its failure was recorded",
+                                envelope.message_id
+                            )));
+                        }
+                    }
+                }
+            };
+            decided.push((f.index, outcome));
         }
-        .await;
-        match recorded {
-            Ok(Some((InboxStatus::RetryableFailed, attempt))) => Outcome::RetryScheduled {
-                attempt,
-                code: code.to_owned(),
-            },
-            Ok(Some((status, _))) => Outcome::Parked {
-                status,
-                code: code.to_owned(),
-                message: message.to_owned(),
-            },
-            Ok(None) => Outcome::Duplicate,
-            Err(e) => Outcome::Unrecorded {
-                error: format!("could not record failure {code}: {e}"),
-            },
+        self.store
+            .note_redeliveries(&mut *tx, &self.consumer, &conflicts)
+            .await
+            .map_err(FailureTxError::store)?;
+        Ok(decided)
+    }
+}
+
+/// Why recording failures did not commit.
+enum FailureTxError {
+    /// The failure at this position cannot be stored as it is.
+    Unstorable(usize, String),
+    Transient(String),
+    Outage(String),
+}
+
+impl FailureTxError {
+    fn outage(e: sqlx::Error) -> Self {
+        FailureTxError::Outage(e.to_string())
+    }
+
+    fn store(e: StoreError) -> Self {
+        match &e {
+            StoreError::Database(db) if DbErrorClass::of(db) == DbErrorClass::Transient => {
+                FailureTxError::Transient(e.to_string())
+            }
+            _ => FailureTxError::Outage(e.to_string()),
         }
+    }
+}
+
+/// The outcome of a copy of a parked row: parked again with the row's reason.
+fn parked_again(record: &InboxRecord) -> Outcome {
+    Outcome::Parked {
+        status: record.status,
+        code: record.last_error_code.clone().unwrap_or_default(),
+        message: record.last_error_message.clone().unwrap_or_default(),
+    }
+}
+
+/// Whether a recorded body hash is this envelope's body. Rows may hold the hash of the raw
+/// bytes (recorded before bodies were hashed in canonical form, or by a consumer configured
+/// so), so both count.
+fn same_body(recorded: &[u8], envelope: &Envelope) -> bool {
+    recorded == envelope.payload_sha256 || recorded == Sha256::digest(&envelope.body).as_slice()
+}
+
+/// The envelope as a minimal ledger row: key, type (bounded), version and body hash; none of
+/// the producer's optional fields or headers, no body.
+fn minimal(envelope: &Envelope) -> Envelope {
+    Envelope {
+        message_id: envelope.message_id.clone(),
+        message_type: envelope.message_type.chars().take(255).collect(),
+        message_version: envelope.message_version,
+        aggregate_type: None,
+        aggregate_id: None,
+        correlation_id: None,
+        causation_id: None,
+        traceparent: None,
+        tenant_id: None,
+        headers: serde_json::Map::new(),
+        payload: serde_json::Value::Null,
+        body: Vec::new(),
+        payload_sha256: envelope.payload_sha256,
+        redelivered: envelope.redelivered,
+        death_count: envelope.death_count,
     }
 }
 

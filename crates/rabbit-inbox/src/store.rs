@@ -122,6 +122,20 @@ pub enum Claim {
     Existing(Box<InboxRecord>),
 }
 
+/// A row of the claim statement: an inserted key, or the transaction's id and clock.
+type ClaimRow = (Option<String>, Option<i64>, Option<DateTime<Utc>>);
+
+/// A batch's claims with the claiming transaction's id and the database's clock.
+#[derive(Clone, Debug)]
+pub(crate) struct BatchClaim {
+    /// One per envelope, in order.
+    pub(crate) claims: Vec<Claim>,
+    /// `txid_current()` of the claiming transaction.
+    pub(crate) txid: i64,
+    /// `now()` of the claiming transaction.
+    pub(crate) db_now: DateTime<Utc>,
+}
+
 /// A failure to record, see [`InboxStore::record_failure`].
 #[derive(Clone, Copy, Debug)]
 pub struct Failure<'a> {
@@ -223,8 +237,12 @@ impl Sql {
         Sql {
             // One multi-row insert claims a whole batch; rows that already exist are
             // left alone and read (and locked) by `lock_existing`.
+            // The transaction's id and clock come back with it (one extra row): the id lets
+            // the caller check before COMMIT that its transaction is still the one that
+            // claimed (a handler may have ended or aborted it), the clock judges stale claims
+            // by the database's time, not this host's.
             claim: audited(format!(
-                "INSERT INTO {t} (message_id, consumer_name, message_type, message_version, \
+                "WITH ins AS (INSERT INTO {t} (message_id, consumer_name, message_type, message_version, \
                    aggregate_type, aggregate_id, status, processing_attempt, \
                    processing_started_at, processed_at, payload_sha256, payload, headers, \
                    correlation_id, causation_id, trace_id, tenant_id) \
@@ -236,7 +254,9 @@ impl Sql {
                    $12::text[], $13::text[]) \
                    AS u(id, ty, ver, agg_ty, agg_id, sha, body, headers, corr, cause, trace, tenant) \
                  ON CONFLICT (message_id, consumer_name) DO NOTHING \
-                 RETURNING message_id"
+                 RETURNING message_id) \
+                 SELECT message_id, NULL::int8 AS txid, NULL::timestamptz AS db_now FROM ins \
+                 UNION ALL SELECT NULL, txid_current(), now()"
             )),
             lock_existing: audited(format!(
                 "SELECT {RECORD_COLUMNS} FROM {t} \
@@ -258,21 +278,27 @@ impl Sql {
                  RETURNING message_id, processing_attempt"
             )),
             note_redeliveries: audited(format!(
+                // Grouped by key: an UPDATE changes a row once however many input rows
+                // match it, and several copies of one key can be noted together.
                 "UPDATE {t} AS i SET last_received_at = now(), \
-                   delivery_count = i.delivery_count + 1, \
-                   payload_conflicts = i.payload_conflicts + (u.sha IS NOT NULL)::int, \
+                   delivery_count = i.delivery_count + u.n, \
+                   payload_conflicts = i.payload_conflicts + u.conflicts, \
                    last_conflict_sha256 = coalesce(u.sha, i.last_conflict_sha256), \
                    last_conflict_at = CASE WHEN u.sha IS NULL THEN i.last_conflict_at ELSE now() END \
-                 FROM UNNEST($2::text[], $3::bytea[]) AS u(id, sha) \
+                 FROM (SELECT id, count(*)::int AS n, count(sha)::int AS conflicts, \
+                         (array_agg(sha) FILTER (WHERE sha IS NOT NULL))[1] AS sha \
+                       FROM UNNEST($2::text[], $3::bytea[]) AS x(id, sha) GROUP BY id) AS u \
                  WHERE i.consumer_name = $1 AND i.message_id = u.id"
             )),
             mark_processed: audited(format!(
                 "UPDATE {t} SET status = 'PROCESSED', processed_at = now(), \
                    payload = CASE WHEN $3 THEN payload ELSE NULL END \
-                 WHERE consumer_name = $1 AND message_id = ANY($2)"
+                 WHERE consumer_name = $1 AND message_id = ANY($2) AND status = 'PROCESSING'"
             )),
-            // One statement records every kind of failure. It never overwrites PROCESSED: if
-            // another consumer committed the effect meanwhile, the failure is moot.
+            // One statement records every kind of failure. It never overwrites PROCESSED (another
+            // copy committed the effect meanwhile: the failure is moot) nor a parked row
+            // (PERMANENT_FAILED, POISONED): its copy is in the parking lot, and only an explicit,
+            // audited reopen may change it. A racing retryable failure must not revive it.
             record_failure: audited(format!(
                 "INSERT INTO {t} AS i (message_id, consumer_name, message_type, message_version, \
                    aggregate_type, aggregate_id, status, processing_attempt, first_failed_at, \
@@ -292,7 +318,7 @@ impl Sql {
                    payload = coalesce(EXCLUDED.payload, i.payload), \
                    last_error_code = EXCLUDED.last_error_code, \
                    last_error_message = EXCLUDED.last_error_message \
-                 WHERE i.status <> 'PROCESSED' \
+                 WHERE i.status NOT IN ('PROCESSED', 'PERMANENT_FAILED', 'POISONED') \
                  RETURNING status, processing_attempt"
             )),
             find_stale: audited(format!(
@@ -391,14 +417,16 @@ impl InboxStore {
         envelopes: &[&Envelope],
         store_payload: bool,
     ) -> Result<Vec<Claim>, StoreError> {
-        self.claim(
-            conn,
-            consumer,
-            envelopes,
-            store_payload,
-            InboxStatus::Processing,
-        )
-        .await
+        Ok(self
+            .claim(
+                conn,
+                consumer,
+                envelopes,
+                store_payload,
+                InboxStatus::Processing,
+            )
+            .await?
+            .claims)
     }
 
     /// Like [`InboxStore::try_claim_many`], but new rows are inserted already PROCESSED, which
@@ -413,6 +441,21 @@ impl InboxStore {
         envelopes: &[&Envelope],
         store_payload: bool,
     ) -> Result<Vec<Claim>, StoreError> {
+        Ok(self
+            .claim_committing(conn, consumer, envelopes, store_payload)
+            .await?
+            .claims)
+    }
+
+    /// [`InboxStore::try_claim_many_committing`] with the claiming transaction's id and the
+    /// database clock.
+    pub(crate) async fn claim_committing(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        envelopes: &[&Envelope],
+        store_payload: bool,
+    ) -> Result<BatchClaim, StoreError> {
         self.claim(
             conn,
             consumer,
@@ -430,12 +473,12 @@ impl InboxStore {
         envelopes: &[&Envelope],
         store_payload: bool,
         status: InboxStatus,
-    ) -> Result<Vec<Claim>, StoreError> {
+    ) -> Result<BatchClaim, StoreError> {
         let mut order: Vec<usize> = (0..envelopes.len()).collect();
         order.sort_by(|&a, &b| envelopes[a].message_id.cmp(&envelopes[b].message_id));
         let sorted = order.iter().map(|&i| envelopes[i]);
 
-        let inserted: Vec<String> = sqlx::query_scalar(self.sql.claim.clone())
+        let rows: Vec<ClaimRow> = sqlx::query_as(self.sql.claim.clone())
             .bind(consumer)
             .bind(
                 sorted
@@ -512,26 +555,37 @@ impl InboxStore {
             .fetch_all(&mut *conn)
             .await?;
 
-        let inserted: std::collections::HashSet<String> = inserted.into_iter().collect();
+        let mut txid = None;
+        let mut db_now = None;
+        let mut inserted = std::collections::HashSet::with_capacity(rows.len());
+        for (id, tx, now) in rows {
+            match id {
+                Some(id) => {
+                    inserted.insert(id);
+                }
+                None => {
+                    txid = tx;
+                    db_now = now;
+                }
+            }
+        }
+        let (Some(txid), Some(db_now)) = (txid, db_now) else {
+            return Err(StoreError::Corrupt(
+                "claim returned no transaction id".into(),
+            ));
+        };
         let existing_ids: Vec<&str> = envelopes
             .iter()
             .map(|e| e.message_id.as_str())
             .filter(|id| !inserted.contains(*id))
             .collect();
-        let mut existing = Vec::new();
-        if !existing_ids.is_empty() {
-            for row in sqlx::query(self.sql.lock_existing.clone())
-                .persistent(false)
-                .bind(consumer)
-                .bind(&existing_ids)
-                .fetch_all(&mut *conn)
-                .await?
-            {
-                existing.push(record_from_row(&row)?);
-            }
-        }
+        let existing = if existing_ids.is_empty() {
+            Vec::new()
+        } else {
+            self.lock_rows(conn, consumer, &existing_ids).await?
+        };
 
-        envelopes
+        let claims = envelopes
             .iter()
             .map(|e| {
                 if inserted.contains(&e.message_id) {
@@ -550,7 +604,43 @@ impl InboxStore {
                         ))
                     })
             })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(BatchClaim {
+            claims,
+            txid,
+            db_now,
+        })
+    }
+
+    /// Reads and locks (`FOR UPDATE`, in key order) the rows of `message_ids` that exist, in
+    /// the caller's transaction.
+    pub(crate) async fn lock_rows(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        message_ids: &[&str],
+    ) -> Result<Vec<InboxRecord>, StoreError> {
+        sqlx::query(self.sql.lock_existing.clone())
+            .persistent(false)
+            .bind(consumer)
+            .bind(message_ids)
+            .fetch_all(conn)
+            .await?
+            .iter()
+            .map(record_from_row)
             .collect()
+    }
+
+    /// The transaction's current id as PostgreSQL sees it: `None` outside a transaction that
+    /// has written (after a `ROLLBACK` or `COMMIT` a handler ran itself), an error when the
+    /// transaction is aborted (a failed statement a handler ignored).
+    pub(crate) async fn current_txid(
+        &self,
+        conn: &mut PgConnection,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        sqlx::query_scalar("SELECT txid_current_if_assigned()")
+            .fetch_one(conn)
+            .await
     }
 
     /// Reads one row.
@@ -633,8 +723,10 @@ impl InboxStore {
         Ok(())
     }
 
-    /// Marks rows PROCESSED in the caller's (business) transaction. `keep_payload` false drops
-    /// a body kept from an earlier failure.
+    /// Marks PROCESSING rows PROCESSED in the caller's (business) transaction and returns how
+    /// many it marked. Rows in any other state are left alone: a parked or failed row changes
+    /// only through its own path, so a count below `message_ids.len()` means the caller does
+    /// not hold those claims. `keep_payload` false drops a body kept from an earlier failure.
     pub async fn mark_processed(
         &self,
         conn: &mut PgConnection,
@@ -652,10 +744,11 @@ impl InboxStore {
             .rows_affected())
     }
 
-    /// Records a failure in its own short transaction (the business transaction has rolled
-    /// back, taking any claim with it): inserts the row, or adds an attempt to it. Returns the
-    /// recorded status and attempt count, or `None` when the row is PROCESSED (someone else
-    /// committed the effect; the failure is moot and the message is a duplicate).
+    /// Records a failure outside the business transaction (which has rolled back, taking any
+    /// claim with it): inserts the row, or adds an attempt to it. Returns the recorded status
+    /// and attempt count, or `None` when the row is PROCESSED (another copy committed the
+    /// effect; the failure is moot) or parked (PERMANENT_FAILED or POISONED, which only an
+    /// explicit reopen changes): the row is left as it is.
     pub async fn record_failure(
         &self,
         conn: &mut PgConnection,
