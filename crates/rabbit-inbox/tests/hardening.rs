@@ -418,8 +418,10 @@ async fn handler_deadlock_is_run_again_without_charging_an_attempt() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_copy_of_a_processed_id_is_a_conflict_not_a_duplicate() {
     let env = TestEnv::new().await;
-    let mut rules = EnvelopeRules::default();
-    rules.supported_versions = 1..=2;
+    let rules = EnvelopeRules {
+        supported_versions: 1..=2,
+        ..EnvelopeRules::default()
+    };
     let mut config = env.config("svc", env.topology("invalid-processed"));
     config.envelope = rules;
     let topology = config.topology.clone();
