@@ -166,8 +166,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Migrate { schema } => {
             let schema = SchemaName::new(schema)?;
             let pool = connect::postgres(&servers.database_url).await?;
-            rabbit_inbox::migrate(&pool, &schema).await?;
-            order_service::migrate(&pool, &schema).await?;
+            migrate_service(&pool, &schema).await?;
             println!("schema {schema} is up to date");
             Ok(ExitCode::SUCCESS)
         }
@@ -175,8 +174,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let config = args.config()?;
             let pool = connect::postgres(&servers.database_url).await?;
             connect::rabbitmq(&servers.amqp_url).await?.close().await;
-            rabbit_inbox::migrate(&pool, &config.schema).await?;
-            order_service::migrate(&pool, &config.schema).await?;
+            migrate_service(&pool, &config.schema).await?;
             let handler = order_service::OrderHandler::new(config.schema.clone());
             let consumer = Consumer::new(servers.amqp_url.clone(), pool, config, handler)?;
             let stats = consumer.stats();
@@ -233,6 +231,21 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// The inbox and the example's tables in `schema`. Each takes the schema's lock, so any number
+/// of instances may start at once.
+async fn migrate_service(
+    pool: &sqlx::PgPool,
+    schema: &SchemaName,
+) -> anyhow::Result<()> {
+    rabbit_inbox::migrate(pool, schema)
+        .await
+        .with_context(|| format!("migrating the inbox in schema {schema}"))?;
+    order_service::migrate(pool, schema)
+        .await
+        .with_context(|| format!("creating the example's tables in schema {schema}"))?;
+    Ok(())
+}
+
 /// Connects to both servers and gives a run of the example service a clean slate: its schema
 /// (inbox and example tables) and its queues are recreated, so the figures describe this run
 /// only.
@@ -242,8 +255,7 @@ pub(crate) async fn clean_slate(
 ) -> anyhow::Result<(sqlx::PgPool, Broker)> {
     let pool = connect::postgres(&servers.database_url).await?;
     rabbit_inbox::drop_schema(&pool, &config.schema).await?;
-    rabbit_inbox::migrate(&pool, &config.schema).await?;
-    order_service::migrate(&pool, &config.schema).await?;
+    migrate_service(&pool, &config.schema).await?;
     // A connection of its own for the deletes: the declarations below must not depend on how
     // the broker took the deletion of queues an earlier run may not have left.
     let deleting = connect::rabbitmq(&servers.amqp_url).await?;

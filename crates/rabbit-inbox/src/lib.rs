@@ -66,7 +66,7 @@ pub use handler::{
     BatchError, BatchHandler, ErrorKind, Handler, HandlerError, InboxMessage, PerMessage,
 };
 pub use processor::{Outcome, PAYLOAD_CONFLICT};
-pub use schema::{MIGRATOR, SchemaName, drop_schema, migrate};
+pub use schema::{MIGRATOR, SchemaLock, SchemaName, drop_schema, migrate};
 pub use stats::{ConsumerStats, StatsSnapshot};
 pub use store::{
     Claim, Failure, InboxRecord, InboxStatus, InboxStore, MAX_ERROR_MESSAGE_CHARS, Redelivery,
