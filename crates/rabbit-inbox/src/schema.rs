@@ -225,4 +225,113 @@ mod tests {
             assert!(SchemaName::new(bad).is_err(), "{bad:?}");
         }
     }
+
+    /// Migrations up to this version build or drop indexes inside their transaction, locking
+    /// `message_inbox` against writes while they run: fine on the new table they were written
+    /// for. Every later one must leave a large, busy table writable.
+    const LAST_LOCKING_MIGRATION: i64 = 2;
+
+    /// The statements of `sql`, comments removed, upper-cased, whitespace collapsed. A rule
+    /// check, not a parser: good enough for DDL without dollar-quoted bodies.
+    fn statements(sql: &str) -> Vec<String> {
+        let code: String = sql
+            .lines()
+            .map(|line| line.split_once("--").map_or(line, |(code, _)| code))
+            .collect::<Vec<_>>()
+            .join("\n");
+        code.split(';')
+            .map(|s| s.split_whitespace().collect::<Vec<_>>().join(" ").to_uppercase())
+            .filter(|s| !s.is_empty())
+            .collect()
+    }
+
+    /// Why a migration would lock a table that may hold tens of millions of rows, if it does.
+    fn locking_violation(sql: &str, no_tx: bool) -> Option<String> {
+        let statements = statements(sql);
+        let mut concurrent = false;
+        for statement in &statements {
+            let index_ddl = ["CREATE INDEX", "CREATE UNIQUE INDEX", "DROP INDEX", "REINDEX"]
+                .into_iter()
+                .find(|prefix| statement.starts_with(prefix));
+            if let Some(prefix) = index_ddl {
+                if !statement[prefix.len()..].trim_start().starts_with("CONCURRENTLY") {
+                    return Some(format!("{prefix} without CONCURRENTLY: {statement}"));
+                }
+                concurrent = true;
+            }
+        }
+        if concurrent && !no_tx {
+            return Some("CONCURRENTLY needs a `-- no-transaction` migration".to_owned());
+        }
+        // PostgreSQL runs several statements sent at once in one implicit transaction block,
+        // where CONCURRENTLY fails.
+        if concurrent && statements.len() > 1 {
+            return Some("a CONCURRENTLY migration must hold exactly one statement".to_owned());
+        }
+        None
+    }
+
+    #[test]
+    fn later_migrations_change_indexes_concurrently() {
+        for migration in MIGRATOR.migrations.iter() {
+            if migration.version <= LAST_LOCKING_MIGRATION {
+                continue;
+            }
+            if let Some(violation) = locking_violation(migration.sql.as_str(), migration.no_tx) {
+                panic!(
+                    "migration {} ({}) would lock its table: {violation}",
+                    migration.version, migration.description
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn locking_rule_tells_locking_from_concurrent_index_changes() {
+        let locking = [
+            ("CREATE INDEX idx ON message_inbox (tenant_id);", true),
+            ("create unique index idx on message_inbox (x)", true),
+            ("-- a comment\nDROP INDEX idx_message_inbox_open;", true),
+            ("CREATE INDEX CONCURRENTLY idx ON message_inbox (tenant_id);", false),
+            (
+                "CREATE INDEX CONCURRENTLY a ON message_inbox (x);\nCREATE INDEX CONCURRENTLY b ON message_inbox (y);",
+                true,
+            ),
+        ];
+        for (sql, no_tx) in locking {
+            assert!(locking_violation(sql, no_tx).is_some(), "{sql}");
+        }
+        let fine = [
+            (
+                "-- no-transaction\nCREATE INDEX CONCURRENTLY idx ON message_inbox (tenant_id);",
+                true,
+            ),
+            ("-- no-transaction\ndrop index concurrently if exists idx;", true),
+            ("ALTER TABLE message_inbox ADD COLUMN note TEXT;", false),
+        ];
+        for (sql, no_tx) in fine {
+            assert_eq!(locking_violation(sql, no_tx), None, "{sql}");
+        }
+    }
+
+    /// The directive the README tells migration authors to write is the one sqlx obeys.
+    #[tokio::test]
+    async fn no_transaction_directive_is_sqlx_spelling() {
+        let dir = std::env::temp_dir().join(format!("rabbit-inbox-no-tx-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        std::fs::write(
+            dir.join("0003_tenant_index.sql"),
+            "-- no-transaction\nCREATE INDEX CONCURRENTLY idx ON message_inbox (tenant_id);\n",
+        )
+        .expect("migration file");
+        let migrator = Migrator::new(dir.as_path()).await;
+        let _ = std::fs::remove_dir_all(&dir);
+        let migrator = migrator.expect("resolves");
+        let migration = migrator.migrations.first().expect("one migration");
+        assert!(migration.no_tx, "sqlx would run it in a transaction");
+        assert_eq!(
+            locking_violation(migration.sql.as_str(), migration.no_tx),
+            None
+        );
+    }
 }
