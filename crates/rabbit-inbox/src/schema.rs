@@ -240,7 +240,12 @@ mod tests {
             .collect::<Vec<_>>()
             .join("\n");
         code.split(';')
-            .map(|s| s.split_whitespace().collect::<Vec<_>>().join(" ").to_uppercase())
+            .map(|s| {
+                s.split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" ")
+                    .to_uppercase()
+            })
             .filter(|s| !s.is_empty())
             .collect()
     }
@@ -250,11 +255,19 @@ mod tests {
         let statements = statements(sql);
         let mut concurrent = false;
         for statement in &statements {
-            let index_ddl = ["CREATE INDEX", "CREATE UNIQUE INDEX", "DROP INDEX", "REINDEX"]
-                .into_iter()
-                .find(|prefix| statement.starts_with(prefix));
+            let index_ddl = [
+                "CREATE INDEX",
+                "CREATE UNIQUE INDEX",
+                "DROP INDEX",
+                "REINDEX",
+            ]
+            .into_iter()
+            .find(|prefix| statement.starts_with(prefix));
             if let Some(prefix) = index_ddl {
-                if !statement[prefix.len()..].trim_start().starts_with("CONCURRENTLY") {
+                if !statement[prefix.len()..]
+                    .trim_start()
+                    .starts_with("CONCURRENTLY")
+                {
                     return Some(format!("{prefix} without CONCURRENTLY: {statement}"));
                 }
                 concurrent = true;
@@ -292,7 +305,10 @@ mod tests {
             ("CREATE INDEX idx ON message_inbox (tenant_id);", true),
             ("create unique index idx on message_inbox (x)", true),
             ("-- a comment\nDROP INDEX idx_message_inbox_open;", true),
-            ("CREATE INDEX CONCURRENTLY idx ON message_inbox (tenant_id);", false),
+            (
+                "CREATE INDEX CONCURRENTLY idx ON message_inbox (tenant_id);",
+                false,
+            ),
             (
                 "CREATE INDEX CONCURRENTLY a ON message_inbox (x);\nCREATE INDEX CONCURRENTLY b ON message_inbox (y);",
                 true,
@@ -306,7 +322,10 @@ mod tests {
                 "-- no-transaction\nCREATE INDEX CONCURRENTLY idx ON message_inbox (tenant_id);",
                 true,
             ),
-            ("-- no-transaction\ndrop index concurrently if exists idx;", true),
+            (
+                "-- no-transaction\ndrop index concurrently if exists idx;",
+                true,
+            ),
             ("ALTER TABLE message_inbox ADD COLUMN note TEXT;", false),
         ];
         for (sql, no_tx) in fine {
