@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Args;
 use rabbit_inbox::{Consumer, SchemaName};
 
-use crate::{Servers, clean_slate, publish_all, scenario::Scenario};
+use crate::{Servers, clean_slate, log_capture::LogCapture, publish_all, scenario::Scenario};
 
 #[derive(Args)]
 pub(crate) struct DemoArgs {
@@ -41,7 +41,11 @@ pub(crate) struct DemoArgs {
     timeout_secs: u64,
 }
 
-pub(crate) async fn run(servers: &Servers, args: DemoArgs) -> anyhow::Result<ExitCode> {
+pub(crate) async fn run(
+    servers: &Servers,
+    args: DemoArgs,
+    log: Option<&LogCapture>,
+) -> anyhow::Result<ExitCode> {
     let schema = SchemaName::new(&args.schema)?;
     let exchange = format!("{}.orders", args.queue);
     let mut config = order_service::config(schema.clone(), &args.queue, &exchange);
@@ -213,6 +217,12 @@ pub(crate) async fn run(servers: &Servers, args: DemoArgs) -> anyhow::Result<Exi
         "until settled, retries included (s)",
         total_time.as_secs_f64()
     );
+    if let Some(log) = log {
+        println!();
+        for line in log.summary() {
+            println!("  {line}");
+        }
+    }
     println!();
     for (name, pass) in &checks {
         println!("  [{}] {name}", if *pass { " ok " } else { "FAIL" });

@@ -5,6 +5,7 @@ mod bench;
 mod chaos;
 mod connect;
 mod demo;
+mod log_capture;
 mod scenario;
 mod soak;
 
@@ -129,20 +130,38 @@ impl ServiceArgs {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
-    match run(cli).await {
+    let capture = init_logging(&cli.command);
+    match run(cli, capture.as_ref()).await {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {}", error_chain(&e));
+            if let Some(capture) = &capture {
+                eprintln!("log: {}", capture.path().display());
+            }
             ExitCode::from(2)
         }
     }
+}
+
+/// Log output goes to stderr at `RUST_LOG` (default `warn`). The demo's terminal belongs to its
+/// progress line and table: unless `RUST_LOG` is set, its log goes to a file and the warnings
+/// are summarized at the end.
+fn init_logging(command: &Command) -> Option<log_capture::LogCapture> {
+    let filter =
+        || tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    if matches!(command, Command::Demo(_)) && std::env::var_os("RUST_LOG").is_none() {
+        let path = std::env::temp_dir().join("inboxctl-demo.log");
+        match log_capture::LogCapture::install(&path, filter()) {
+            Ok(capture) => return Some(capture),
+            Err(e) => eprintln!("logging to stderr: {}", error_chain(&e)),
+        }
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(filter())
+        .with_writer(std::io::stderr)
+        .init();
+    None
 }
 
 /// The error and its causes, skipping causes whose text the previous message already holds.
@@ -160,14 +179,13 @@ fn error_chain(e: &anyhow::Error) -> String {
     out
 }
 
-async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Result<ExitCode> {
     let servers = cli.servers;
     match cli.command {
         Command::Migrate { schema } => {
             let schema = SchemaName::new(schema)?;
             let pool = connect::postgres(&servers.database_url).await?;
-            rabbit_inbox::migrate(&pool, &schema).await?;
-            order_service::migrate(&pool, &schema).await?;
+            migrate_service(&pool, &schema).await?;
             println!("schema {schema} is up to date");
             Ok(ExitCode::SUCCESS)
         }
@@ -175,8 +193,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let config = args.config()?;
             let pool = connect::postgres(&servers.database_url).await?;
             connect::rabbitmq(&servers.amqp_url).await?.close().await;
-            rabbit_inbox::migrate(&pool, &config.schema).await?;
-            order_service::migrate(&pool, &config.schema).await?;
+            migrate_service(&pool, &config.schema).await?;
             let handler = order_service::OrderHandler::new(config.schema.clone());
             let consumer = Consumer::new(servers.amqp_url.clone(), pool, config, handler)?;
             let stats = consumer.stats();
@@ -226,11 +243,23 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Ok(ExitCode::FAILURE)
             }
         }
-        Command::Demo(args) => demo::run(&servers, args).await,
+        Command::Demo(args) => demo::run(&servers, args, capture).await,
         Command::Bench(args) => bench::run(&servers, args).await,
         Command::Chaos(args) => chaos::run(&servers, args).await,
         Command::Soak(args) => soak::run(&servers, args).await,
     }
+}
+
+/// The inbox and the example's tables in `schema`. Each takes the schema's lock, so any number
+/// of instances may start at once.
+async fn migrate_service(pool: &sqlx::PgPool, schema: &SchemaName) -> anyhow::Result<()> {
+    rabbit_inbox::migrate(pool, schema)
+        .await
+        .with_context(|| format!("migrating the inbox in schema {schema}"))?;
+    order_service::migrate(pool, schema)
+        .await
+        .with_context(|| format!("creating the example's tables in schema {schema}"))?;
+    Ok(())
 }
 
 /// Connects to both servers and gives a run of the example service a clean slate: its schema
@@ -242,8 +271,7 @@ pub(crate) async fn clean_slate(
 ) -> anyhow::Result<(sqlx::PgPool, Broker)> {
     let pool = connect::postgres(&servers.database_url).await?;
     rabbit_inbox::drop_schema(&pool, &config.schema).await?;
-    rabbit_inbox::migrate(&pool, &config.schema).await?;
-    order_service::migrate(&pool, &config.schema).await?;
+    migrate_service(&pool, &config.schema).await?;
     // A connection of its own for the deletes: the declarations below must not depend on how
     // the broker took the deletion of queues an earlier run may not have left.
     let deleting = connect::rabbitmq(&servers.amqp_url).await?;

@@ -68,7 +68,7 @@ pub use handler::{
     PerMessage,
 };
 pub use processor::{Outcome, PAYLOAD_CONFLICT, TRANSACTION_ABORTED};
-pub use schema::{MIGRATOR, SchemaName, drop_schema, migrate};
+pub use schema::{MIGRATOR, SchemaLock, SchemaName, drop_schema, migrate};
 pub use stats::{ConsumerStats, StatsSnapshot};
 pub use store::{
     Claim, Failure, InboxRecord, InboxStatus, InboxStore, MAX_ERROR_MESSAGE_CHARS, Redelivery,

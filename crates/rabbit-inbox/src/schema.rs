@@ -1,8 +1,11 @@
 //! The inbox schema: a validated PostgreSQL schema name and the embedded migrations.
 
-use std::fmt;
+use std::{
+    fmt,
+    time::{Duration, Instant},
+};
 
-use sqlx::{AssertSqlSafe, Connection, PgPool, migrate::Migrator};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, migrate::Migrator};
 
 use crate::error::{ConfigError, StoreError};
 
@@ -59,37 +62,141 @@ impl fmt::Display for SchemaName {
     }
 }
 
+/// How often an instance asks again for a [`SchemaLock`] another instance holds.
+const LOCK_POLL_INTERVAL: Duration = Duration::from_millis(100);
+
+/// After how long a wait for a [`SchemaLock`] is logged, once.
+const LOCK_WAIT_NOTICE: Duration = Duration::from_secs(10);
+
+/// Exclusive right to change one schema's DDL: a PostgreSQL session advisory lock keyed by the
+/// schema name, held on a connection of its own.
+///
+/// Every instance of a service creates its schema and runs its migrations at start, and a
+/// rolling deploy starts several at once. `CREATE SCHEMA IF NOT EXISTS` and `CREATE TABLE IF
+/// NOT EXISTS` are not safe against each other (the loser fails on a catalog unique index), so
+/// the library's [`migrate`] and an application's own DDL in the same schema run under this
+/// lock, one instance after the other.
+///
+/// The lock is a session lock, not a transaction lock, so the connection stays outside any
+/// transaction and can run `CREATE INDEX CONCURRENTLY` (a `-- no-transaction` migration).
+/// Waiters poll with `pg_try_advisory_lock` instead of blocking in `pg_advisory_lock`: a
+/// concurrent index build waits for every transaction that is running when it starts,
+/// including a blocked `pg_advisory_lock` call, which in turn waits for the builder's lock, and
+/// PostgreSQL resolves that deadlock by aborting one of them.
+///
+/// [`release`](Self::release) unlocks and closes the connection. Dropped without it (an error
+/// path), the connection is closed and the server releases the lock with the session.
+#[derive(Debug)]
+pub struct SchemaLock {
+    conn: PgConnection,
+    key: i64,
+}
+
+impl SchemaLock {
+    /// Waits until no other session holds the lock of `schema`, then takes it, on a
+    /// connection detached from `pool`.
+    pub async fn acquire(pool: &PgPool, schema: &SchemaName) -> Result<Self, StoreError> {
+        let mut conn = pool.acquire().await?.detach();
+        let key = lock_key(schema);
+        let started = Instant::now();
+        let mut noticed = false;
+        loop {
+            let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+                .bind(key)
+                .fetch_one(&mut conn)
+                .await?;
+            if locked {
+                return Ok(Self { conn, key });
+            }
+            if !noticed && started.elapsed() >= LOCK_WAIT_NOTICE {
+                noticed = true;
+                tracing::warn!(
+                    schema = %schema,
+                    "still waiting for another instance to finish migrating the schema"
+                );
+            }
+            tokio::time::sleep(LOCK_POLL_INTERVAL).await;
+        }
+    }
+
+    /// The connection that holds the lock. Session settings made on it (`search_path`) end
+    /// with it: it never returns to the pool.
+    pub fn connection(&mut self) -> &mut PgConnection {
+        &mut self.conn
+    }
+
+    /// Unlocks and closes the connection.
+    pub async fn release(mut self) -> Result<(), StoreError> {
+        let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(self.key)
+            .execute(&mut self.conn)
+            .await;
+        // Closing ends the session, which releases the lock even if the unlock failed.
+        let closed = self.conn.close().await;
+        unlocked?;
+        closed?;
+        Ok(())
+    }
+}
+
+/// The advisory lock key of `schema`: the first 8 bytes of a SHA-256 over a fixed prefix and
+/// the name, the same in every process and every version.
+fn lock_key(schema: &SchemaName) -> i64 {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(format!("rabbit-inbox schema lock\0{schema}"));
+    let mut key = [0u8; 8];
+    key.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(key)
+}
+
 /// Creates `schema` if needed and applies the inbox migrations inside it.
 ///
-/// Safe to call from several processes at once: the migrator takes an advisory lock.
+/// Safe to call from any number of processes at once: schema creation and migrations run under
+/// the schema's [`SchemaLock`].
 pub async fn migrate(pool: &PgPool, schema: &SchemaName) -> Result<(), StoreError> {
-    // A dedicated connection, closed afterwards, so the altered search_path never leaks into
-    // the pool.
-    let mut conn = pool.acquire().await?.detach();
+    let mut lock = SchemaLock::acquire(pool, schema).await?;
+    let applied = apply_migrations(lock.connection(), schema).await;
+    // Released on both paths; an error of the migration comes first.
+    let released = lock.release().await;
+    applied?;
+    released
+}
+
+/// The migrations, on the lock's connection.
+async fn apply_migrations(conn: &mut PgConnection, schema: &SchemaName) -> Result<(), StoreError> {
     // The schema name is validated by `SchemaName`.
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE SCHEMA IF NOT EXISTS \"{schema}\"; SET search_path TO \"{schema}\""
     )))
-    .execute(&mut conn)
+    .execute(&mut *conn)
     .await?;
     let mut migrator = Migrator {
         migrations: MIGRATOR.migrations.clone(),
         ..Migrator::DEFAULT
     };
     migrator.dangerous_set_table_name(schema.qualify(MIGRATIONS_TABLE));
-    let result = migrator.run(&mut conn).await;
-    let _ = conn.close().await;
-    result.map_err(StoreError::Migrate)
+    // The schema lock serializes the migrations. sqlx's own lock is one per database, shared
+    // with every other schema and with the application's migrator, and a session blocked on it
+    // would deadlock with a concurrent index build.
+    migrator.set_locking(false);
+    // `run_direct` rather than `run`: `run` over `&mut PgConnection` makes this future not
+    // `Send` (sqlx's `Acquire` lifetime limitation), and callers spawn their start-up.
+    migrator.run_direct(None, conn, false).await?;
+    Ok(())
 }
 
-/// Drops `schema` and everything in it. For tests and demos that own their schema.
+/// Drops `schema` and everything in it. For tests and demos that own their schema. Waits for
+/// a migration of the schema in progress to finish.
 pub async fn drop_schema(pool: &PgPool, schema: &SchemaName) -> Result<(), StoreError> {
-    sqlx::raw_sql(AssertSqlSafe(format!(
+    let mut lock = SchemaLock::acquire(pool, schema).await?;
+    let dropped = sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
     )))
-    .execute(pool)
-    .await?;
-    Ok(())
+    .execute(lock.connection())
+    .await;
+    let released = lock.release().await;
+    dropped?;
+    released
 }
 
 #[cfg(test)]
@@ -117,5 +224,133 @@ mod tests {
         ] {
             assert!(SchemaName::new(bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// Migrations up to this version build or drop indexes inside their transaction, locking
+    /// `message_inbox` against writes while they run: fine on the new table they were written
+    /// for. Every later one must leave a large, busy table writable.
+    const LAST_LOCKING_MIGRATION: i64 = 2;
+
+    /// The statements of `sql`, comments removed, upper-cased, whitespace collapsed. A rule
+    /// check, not a parser: good enough for DDL without dollar-quoted bodies.
+    fn statements(sql: &str) -> Vec<String> {
+        let code: String = sql
+            .lines()
+            .map(|line| line.split_once("--").map_or(line, |(code, _)| code))
+            .collect::<Vec<_>>()
+            .join("\n");
+        code.split(';')
+            .map(|s| {
+                s.split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" ")
+                    .to_uppercase()
+            })
+            .filter(|s| !s.is_empty())
+            .collect()
+    }
+
+    /// Why a migration would lock a table that may hold tens of millions of rows, if it does.
+    fn locking_violation(sql: &str, no_tx: bool) -> Option<String> {
+        let statements = statements(sql);
+        let mut concurrent = false;
+        for statement in &statements {
+            let index_ddl = [
+                "CREATE INDEX",
+                "CREATE UNIQUE INDEX",
+                "DROP INDEX",
+                "REINDEX",
+            ]
+            .into_iter()
+            .find(|prefix| statement.starts_with(prefix));
+            if let Some(prefix) = index_ddl {
+                if !statement[prefix.len()..]
+                    .trim_start()
+                    .starts_with("CONCURRENTLY")
+                {
+                    return Some(format!("{prefix} without CONCURRENTLY: {statement}"));
+                }
+                concurrent = true;
+            }
+        }
+        if concurrent && !no_tx {
+            return Some("CONCURRENTLY needs a `-- no-transaction` migration".to_owned());
+        }
+        // PostgreSQL runs several statements sent at once in one implicit transaction block,
+        // where CONCURRENTLY fails.
+        if concurrent && statements.len() > 1 {
+            return Some("a CONCURRENTLY migration must hold exactly one statement".to_owned());
+        }
+        None
+    }
+
+    #[test]
+    fn later_migrations_change_indexes_concurrently() {
+        for migration in MIGRATOR.migrations.iter() {
+            if migration.version <= LAST_LOCKING_MIGRATION {
+                continue;
+            }
+            if let Some(violation) = locking_violation(migration.sql.as_str(), migration.no_tx) {
+                panic!(
+                    "migration {} ({}) would lock its table: {violation}",
+                    migration.version, migration.description
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn locking_rule_tells_locking_from_concurrent_index_changes() {
+        let locking = [
+            ("CREATE INDEX idx ON message_inbox (tenant_id);", true),
+            ("create unique index idx on message_inbox (x)", true),
+            ("-- a comment\nDROP INDEX idx_message_inbox_open;", true),
+            (
+                "CREATE INDEX CONCURRENTLY idx ON message_inbox (tenant_id);",
+                false,
+            ),
+            (
+                "CREATE INDEX CONCURRENTLY a ON message_inbox (x);\nCREATE INDEX CONCURRENTLY b ON message_inbox (y);",
+                true,
+            ),
+        ];
+        for (sql, no_tx) in locking {
+            assert!(locking_violation(sql, no_tx).is_some(), "{sql}");
+        }
+        let fine = [
+            (
+                "-- no-transaction\nCREATE INDEX CONCURRENTLY idx ON message_inbox (tenant_id);",
+                true,
+            ),
+            (
+                "-- no-transaction\ndrop index concurrently if exists idx;",
+                true,
+            ),
+            ("ALTER TABLE message_inbox ADD COLUMN note TEXT;", false),
+        ];
+        for (sql, no_tx) in fine {
+            assert_eq!(locking_violation(sql, no_tx), None, "{sql}");
+        }
+    }
+
+    /// The directive the README tells migration authors to write is the one sqlx obeys.
+    #[tokio::test]
+    async fn no_transaction_directive_is_sqlx_spelling() {
+        let dir = std::env::temp_dir().join(format!("rabbit-inbox-no-tx-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        std::fs::write(
+            dir.join("0003_tenant_index.sql"),
+            "-- no-transaction\nCREATE INDEX CONCURRENTLY idx ON message_inbox (tenant_id);\n",
+        )
+        .expect("migration file");
+        let migrator = Migrator::new(dir.as_path()).await;
+        let _ = std::fs::remove_dir_all(&dir);
+        let migrator = migrator.expect("resolves");
+        let migration = migrator.migrations.first().expect("one migration");
+        assert!(migration.no_tx, "sqlx would run it in a transaction");
+        assert_eq!(
+            locking_violation(migration.sql.as_str(), migration.no_tx),
+            None
+        );
     }
 }

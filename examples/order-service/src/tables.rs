@@ -1,10 +1,21 @@
 //! The service's business tables and the exactly-once check that reads them.
 
-use rabbit_inbox::SchemaName;
+use rabbit_inbox::{SchemaLock, SchemaName, StoreError};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row, SqlSafeStr, SqlStr};
 
 /// Creates the business tables in `schema` (idempotent). The inbox has its own migrations.
-pub async fn migrate(pool: &PgPool, schema: &SchemaName) -> Result<(), sqlx::Error> {
+///
+/// Under the schema's [`SchemaLock`], like the inbox's: `CREATE ... IF NOT EXISTS` run by two
+/// instances at once lets one of them fail.
+pub async fn migrate(pool: &PgPool, schema: &SchemaName) -> Result<(), StoreError> {
+    let mut lock = SchemaLock::acquire(pool, schema).await?;
+    let created = create_tables(lock.connection(), schema).await;
+    let released = lock.release().await;
+    created?;
+    released
+}
+
+async fn create_tables(conn: &mut PgConnection, schema: &SchemaName) -> Result<(), sqlx::Error> {
     sqlx::raw_sql(AssertSqlSafe(format!(
         r#"
         CREATE SCHEMA IF NOT EXISTS "{schema}";
@@ -31,7 +42,7 @@ pub async fn migrate(pool: &PgPool, schema: &SchemaName) -> Result<(), sqlx::Err
         CREATE INDEX IF NOT EXISTS payment_history_order ON "{schema}".payment_history (order_id);
         "#
     )))
-    .execute(pool)
+    .execute(conn)
     .await?;
     Ok(())
 }
