@@ -111,13 +111,13 @@ impl Topology {
 /// `delay` in its largest whole unit: `200ms`, `5s`, `2m`, `1h`.
 fn delay_label(delay: Duration) -> String {
     let ms = delay.as_millis();
-    if ms % 1000 != 0 {
+    if !ms.is_multiple_of(1000) {
         return format!("{ms}ms");
     }
     let s = ms / 1000;
-    if s % 3600 == 0 && s > 0 {
+    if s.is_multiple_of(3600) && s > 0 {
         format!("{}h", s / 3600)
-    } else if s % 60 == 0 && s > 0 {
+    } else if s.is_multiple_of(60) && s > 0 {
         format!("{}m", s / 60)
     } else {
         format!("{s}s")
