@@ -350,10 +350,9 @@ async fn fresh_topology(
     slug: &str,
 ) -> Result<Topology, BenchError> {
     let topology = Topology::new(format!("{}-{slug}", options.queue_prefix));
-    broker.delete(&topology).await?;
-    broker
-        .declare(&topology, library_config(options).retry.retry_delay)
-        .await?;
+    let retry = library_config(options).retry;
+    broker.delete(&topology, &retry).await?;
+    broker.declare(&topology, &retry).await?;
     Ok(topology)
 }
 
@@ -449,7 +448,9 @@ async fn run_once(
         Mode::Ceiling => None,
         _ => Some(workload::exactly_once(pool, schema, workload).await?),
     };
-    broker.delete(&topology).await?;
+    broker
+        .delete(&topology, &library_config(options).retry)
+        .await?;
     Ok(Run {
         elapsed,
         cpu,
@@ -533,7 +534,9 @@ async fn low_load(
     let _ = task.await;
     let s = stats.snapshot();
     let exactly_once = workload::exactly_once(pool, schema, &workload).await?;
-    broker.delete(&topology).await?;
+    broker
+        .delete(&topology, &library_config(options).retry)
+        .await?;
     Ok(ModeResult {
         mode: format!(
             "rabbit-inbox, batch handler, steady {} msgs/s",

@@ -12,7 +12,7 @@ use std::{
 use anyhow::Context;
 use clap::Args;
 use nix::{sys::signal::Signal, unistd::Pid};
-use rabbit_inbox::{InboxStatus, InboxStore, SchemaName, Topology, parking_headers};
+use rabbit_inbox::{InboxStatus, InboxStore, SchemaName, parking_headers};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use tokio::process::{Child, Command};
 
@@ -241,7 +241,7 @@ async fn progress(
     servers: &Servers,
     pool: &sqlx::PgPool,
     schema: &SchemaName,
-    topology: &Topology,
+    config: &rabbit_inbox::ConsumerConfig,
 ) -> Option<(order_service::Verification, rabbit_inbox::QueueDepths)> {
     let v = order_service::verify(pool, schema).await.ok()?;
     // A short-lived connection: the fault schedule closes every connection of the run, and a
@@ -249,7 +249,10 @@ async fn progress(
     let broker = rabbit_inbox::Broker::connect(&servers.amqp_url, "inboxctl chaos")
         .await
         .ok()?;
-    let depths = broker.queue_depths(topology).await.ok();
+    let depths = broker
+        .queue_depths(&config.topology, &config.retry)
+        .await
+        .ok();
     broker.close().await;
     Some((v, depths?))
 }
@@ -378,7 +381,7 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
     let settled = loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
         fleet.reap(&mut figures, &mut started_at)?;
-        let Some((v, depths)) = progress(servers, &pool, &schema, &topology).await else {
+        let Some((v, depths)) = progress(servers, &pool, &schema, &config).await else {
             if Instant::now() > deadline {
                 break false;
             }
@@ -441,7 +444,7 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
     // The verdict, from the database and the broker, after every consumer has stopped.
     let v = order_service::verify(&pool, &schema).await?;
     let broker = connect::rabbitmq(&servers.amqp_url).await?;
-    let depths = broker.queue_depths(&topology).await?;
+    let depths = broker.queue_depths(&topology, &config.retry).await?;
     let parking = ParkingLot::read(&broker, &topology.parking_queue).await?;
     broker.close().await;
     let parking_check = parking.check(&pool, &schema).await?;

@@ -104,7 +104,7 @@ pub(crate) async fn run(
             first_pass = Some(consume_start.elapsed());
         }
         let v = order_service::verify(&pool, &schema).await?;
-        let depths = broker.queue_depths(&config.topology).await?;
+        let depths = broker.queue_depths(&config.topology, &config.retry).await?;
         let line = format!(
             "  consuming: {:>6} deliveries, {:>6} processed, {:>4} retried, {:>3} parked, retry queue {:>3} ",
             s.received, v.processed, s.retried, v.parked, depths.retry
@@ -139,7 +139,7 @@ pub(crate) async fn run(
 
     let s = stats.snapshot();
     let v = order_service::verify(&pool, &schema).await?;
-    let depths = broker.queue_depths(&config.topology).await?;
+    let depths = broker.queue_depths(&config.topology, &config.retry).await?;
     broker.close().await;
     let e = &scenario.expected;
     let first_pass = first_pass.unwrap_or(total_time);

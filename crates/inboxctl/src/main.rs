@@ -214,7 +214,7 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
             let config = service.config()?;
             let broker = connect::rabbitmq(&servers.amqp_url).await?;
             broker
-                .declare(&config.topology, config.retry.retry_delay)
+                .declare(&config.topology, &config.retry)
                 .await
                 .context("declaring the topology")?;
             let seed = seed.unwrap_or_else(rand::random);
@@ -276,13 +276,13 @@ pub(crate) async fn clean_slate(
     // the broker took the deletion of queues an earlier run may not have left.
     let deleting = connect::rabbitmq(&servers.amqp_url).await?;
     deleting
-        .delete(&config.topology)
+        .delete(&config.topology, &config.retry)
         .await
         .context("deleting the previous run's queues")?;
     deleting.close().await;
     let broker = connect::rabbitmq(&servers.amqp_url).await?;
     broker
-        .declare(&config.topology, config.retry.retry_delay)
+        .declare(&config.topology, &config.retry)
         .await
         .context("declaring the topology")?;
     Ok((pool, broker))

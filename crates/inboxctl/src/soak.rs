@@ -69,6 +69,7 @@ pub(crate) async fn run(servers: &Servers, args: SoakArgs) -> anyhow::Result<Exi
     let exchange = format!("{}.orders", args.queue);
     let config = order_service::config(schema.clone(), &args.queue, &exchange);
     let topology = config.topology.clone();
+    let retry = config.retry.clone();
     let seed = args.seed.unwrap_or_else(rand::random);
 
     let (pool, broker) = clean_slate(servers, &config).await?;
@@ -155,7 +156,7 @@ pub(crate) async fn run(servers: &Servers, args: SoakArgs) -> anyhow::Result<Exi
     let settled = loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let v = order_service::verify(&pool, &schema).await?;
-        let depths = broker.queue_depths(&topology).await?;
+        let depths = broker.queue_depths(&topology, &retry).await?;
         if v.processed + v.parked == unique
             && v.retryable == 0
             && v.processing == 0

@@ -9,10 +9,11 @@ use crate::{envelope::EnvelopeRules, error::ConfigError, schema::SchemaName};
 /// The queues a consumer declares and uses.
 ///
 /// ```text
-/// exchange --binding--> queue --reject(requeue=false)--> retry queue (TTL = retry delay)
-///                         ^                                   |
-///                         +----------- dead-letter -----------+
-/// consumer --publish with reason headers, then ack--> parking-lot queue
+/// exchange --binding--> queue --consumer: publish (confirmed), then ack--> <retry_queue>.<delay>
+///                         ^     (one queue per retry tier, TTL = its delay)      |
+///                         +------------------- dead-letter ----------------------+
+/// queue --broker-side dead-lettering (e.g. x-delivery-limit)--> first retry tier
+/// consumer --publish with reason headers (confirmed), then ack--> parking-lot queue
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
@@ -23,8 +24,10 @@ pub struct Topology {
     pub exchange: Option<String>,
     /// Routing keys bound from `exchange` to the work queue.
     pub binding_keys: Vec<String>,
-    /// The delayed-retry queue: messages wait there for the retry delay, then dead-letter back
-    /// to the work queue.
+    /// Base name of the delayed-retry queues: one queue per delay of
+    /// [`RetryPolicy::delays`], named `<retry_queue>.<delay>` (e.g. `orders.retry.5s`, see
+    /// [`Topology::retry_tier_queue`]). Messages wait there for the tier's delay, then
+    /// dead-letter back to the work queue.
     pub retry_queue: String,
     /// Where permanently failed and poisoned messages are kept, with the reason in headers.
     pub parking_queue: String,
@@ -35,6 +38,12 @@ pub struct Topology {
     /// away. Keeps one queue's delivery order across instances, at the cost of one active
     /// consumer per queue (scale out with several queues, e.g. a consistent-hash exchange).
     pub single_active_consumer: bool,
+    /// `x-delivery-limit` of a quorum work queue: after this many returns to the queue
+    /// (requeues, lost sessions) the broker dead-letters the message into the first retry tier.
+    /// Must exceed `retry.max_attempts + prefetch` (checked by [`ConsumerConfig::validate`]).
+    /// `None` declares no limit: unlimited on RabbitMQ 3.x, while RabbitMQ 4 applies its
+    /// default of 20 to quorum queues, so set it explicitly there.
+    pub delivery_limit: Option<u32>,
 }
 
 /// RabbitMQ queue type.
@@ -59,7 +68,29 @@ impl Topology {
             binding_keys: Vec::new(),
             queue_type: QueueType::Classic,
             single_active_consumer: false,
+            delivery_limit: None,
         }
+    }
+
+    /// The retry queue of the tier with `delay`: `<retry_queue>.<delay>`, the delay written
+    /// in the largest whole unit (`200ms`, `5s`, `2m`, `1h`).
+    pub fn retry_tier_queue(&self, delay: Duration) -> String {
+        format!("{}.{}", self.retry_queue, delay_label(delay))
+    }
+
+    /// The retry queues of `retry`'s tiers, in tier order.
+    pub fn retry_tier_queues(&self, retry: &RetryPolicy) -> Vec<String> {
+        retry
+            .delays
+            .iter()
+            .map(|d| self.retry_tier_queue(*d))
+            .collect()
+    }
+
+    /// Declare a quorum work queue with `x-delivery-limit` (see [`Topology::delivery_limit`]).
+    pub fn with_delivery_limit(mut self, limit: u32) -> Self {
+        self.delivery_limit = Some(limit);
+        self
     }
 
     /// Declare the work queue with a single active consumer (see
@@ -74,6 +105,22 @@ impl Topology {
         self.exchange = Some(exchange.into());
         self.binding_keys = binding_keys.iter().map(|k| (*k).to_owned()).collect();
         self
+    }
+}
+
+/// `delay` in its largest whole unit: `200ms`, `5s`, `2m`, `1h`.
+fn delay_label(delay: Duration) -> String {
+    let ms = delay.as_millis();
+    if !ms.is_multiple_of(1000) {
+        return format!("{ms}ms");
+    }
+    let s = ms / 1000;
+    if s.is_multiple_of(3600) && s > 0 {
+        format!("{}h", s / 3600)
+    } else if s.is_multiple_of(60) && s > 0 {
+        format!("{}m", s / 60)
+    } else {
+        format!("{s}s")
     }
 }
 
@@ -94,19 +141,47 @@ pub enum PayloadStorage {
 pub struct RetryPolicy {
     /// Attempts before a retryable failure becomes POISONED and is parked.
     pub max_attempts: i32,
-    /// Time a failed message waits in the retry queue before it comes back.
-    pub retry_delay: Duration,
+    /// Retry tiers: after failed attempt `n` a message waits `delays[n - 1]` (the last delay
+    /// for every attempt past the list) in that tier's own retry queue, then comes back.
+    /// Strictly increasing. One queue per tier, because a per-message TTL in one queue would
+    /// hold short delays behind a long one at its head.
+    pub delays: Vec<Duration>,
     /// A committed PROCESSING row older than this is taken over as abandoned.
     pub stale_processing_after: Duration,
 }
 
 impl Default for RetryPolicy {
+    /// 5 attempts; retries after 1 s, 5 s, 30 s, 2 min, 10 min.
     fn default() -> Self {
+        Self::tiered(
+            [1, 5, 30, 120, 600]
+                .into_iter()
+                .map(Duration::from_secs)
+                .collect(),
+        )
+    }
+}
+
+impl RetryPolicy {
+    /// The default budget with tiers `delays`.
+    pub fn tiered(delays: Vec<Duration>) -> Self {
         Self {
             max_attempts: 5,
-            retry_delay: Duration::from_secs(5),
+            delays,
             stale_processing_after: Duration::from_secs(300),
         }
+    }
+
+    /// The default budget with one retry tier: every retry waits `delay`.
+    pub fn fixed(delay: Duration) -> Self {
+        Self::tiered(vec![delay])
+    }
+
+    /// Index into [`RetryPolicy::delays`] of the tier a message goes to after failed attempt
+    /// `attempt` (1-based); clamped to the last tier.
+    pub fn tier_of_attempt(&self, attempt: i32) -> usize {
+        let n = usize::try_from(attempt.max(1)).unwrap_or(1);
+        n.min(self.delays.len()).saturating_sub(1)
     }
 }
 
@@ -201,9 +276,45 @@ impl ConsumerConfig {
         if self.retry.max_attempts < 1 {
             return invalid("retry.max_attempts", "must be at least 1");
         }
-        if self.retry.retry_delay.is_zero() || self.retry.retry_delay.as_millis() > u32::MAX as u128
+        let delays = &self.retry.delays;
+        if delays.is_empty() || delays.len() > 32 {
+            return invalid("retry.delays", "must list 1 to 32 delays");
+        }
+        if delays
+            .iter()
+            .any(|d| d.as_millis() == 0 || d.as_millis() > u128::from(u32::MAX))
         {
-            return invalid("retry.retry_delay", "must be between 1 ms and ~49 days");
+            return invalid("retry.delays", "each must be between 1 ms and ~49 days");
+        }
+        if delays.windows(2).any(|w| w[0] >= w[1]) {
+            return invalid(
+                "retry.delays",
+                "must be strictly increasing (the last tier repeats for later attempts)",
+            );
+        }
+        for tier in t.retry_tier_queues(&self.retry) {
+            if tier.len() > 255 || tier == t.queue || tier == t.parking_queue {
+                return invalid(
+                    "topology.retry_queue",
+                    "retry tier queues (<retry_queue>.<delay>) must be at most 255 bytes and differ from the work and parking queues",
+                );
+            }
+        }
+        if let Some(limit) = t.delivery_limit {
+            if t.queue_type != QueueType::Quorum {
+                return invalid("topology.delivery_limit", "applies to quorum queues only");
+            }
+            // Every return to the work queue counts as a delivery: retries go through the
+            // tiers and do not, but a lost session returns up to `prefetch` deliveries at once
+            // and each database outage back-off returns its batch. A limit within reach would
+            // dead-letter healthy messages into the first tier.
+            let floor = i64::from(self.retry.max_attempts) + i64::from(self.prefetch);
+            if i64::from(limit) <= floor {
+                return invalid(
+                    "topology.delivery_limit",
+                    "must exceed retry.max_attempts + prefetch",
+                );
+            }
         }
         if self.prefetch == 0 {
             return invalid("prefetch", "must be at least 1 (0 would mean unbounded)");
@@ -249,6 +360,16 @@ mod tests {
         let c = ConsumerConfig::new("svc", Topology::new("orders"));
         assert!(c.validate().is_ok());
         assert_eq!(c.topology.retry_queue, "orders.retry");
+        assert_eq!(
+            c.topology.retry_tier_queues(&c.retry),
+            [
+                "orders.retry.1s",
+                "orders.retry.5s",
+                "orders.retry.30s",
+                "orders.retry.2m",
+                "orders.retry.10m"
+            ]
+        );
         assert_eq!(c.topology.parking_queue, "orders.parking-lot");
     }
 
@@ -268,5 +389,45 @@ mod tests {
         c.consumer_name = "svc".into();
         c.envelope.dedup = crate::DedupStrategy::PayloadFields(vec!["order_id".into()]);
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn attempts_map_to_tiers_clamped_at_the_last() {
+        let r = RetryPolicy::default();
+        assert_eq!(r.tier_of_attempt(1), 0);
+        assert_eq!(r.tier_of_attempt(2), 1);
+        assert_eq!(r.tier_of_attempt(5), 4);
+        assert_eq!(r.tier_of_attempt(50), 4);
+        assert_eq!(r.tier_of_attempt(0), 0);
+        assert_eq!(
+            RetryPolicy::fixed(Duration::from_secs(3)).tier_of_attempt(7),
+            0
+        );
+        assert_eq!(delay_label(Duration::from_millis(200)), "200ms");
+        assert_eq!(delay_label(Duration::from_millis(1500)), "1500ms");
+        assert_eq!(delay_label(Duration::from_secs(90)), "90s");
+        assert_eq!(delay_label(Duration::from_secs(7200)), "2h");
+    }
+
+    #[test]
+    fn retry_tiers_and_delivery_limit_are_checked() {
+        let mut c = ConsumerConfig::new("svc", Topology::new("orders"));
+        c.retry.delays = vec![];
+        assert!(c.validate().is_err());
+        c.retry.delays = vec![Duration::from_secs(5), Duration::from_secs(1)];
+        assert!(c.validate().is_err(), "decreasing");
+        c.retry.delays = vec![Duration::ZERO];
+        assert!(c.validate().is_err());
+
+        let mut c = ConsumerConfig::new("svc", Topology::new("orders").with_delivery_limit(500));
+        assert!(
+            c.validate().is_err(),
+            "classic queues have no delivery limit"
+        );
+        c.topology.queue_type = QueueType::Quorum;
+        let err = c.validate().expect_err("500 <= 5 + 1000").to_string();
+        assert!(err.contains("delivery_limit"), "{err}");
+        c.prefetch = 100;
+        assert!(c.validate().is_ok());
     }
 }

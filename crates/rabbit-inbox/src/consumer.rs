@@ -120,14 +120,20 @@ impl<H: BatchHandler> Consumer<H> {
             };
             match opened {
                 Ok(session) => {
-                    delay = self.config.reconnect_initial_delay;
                     self.stats.record_session();
                     tracing::info!(queue = %self.config.topology.queue, consumer = %self.config.consumer_name, "consuming");
+                    let began = Instant::now();
                     match self.session(session, &mut shutdown).await {
                         SessionEnd::Shutdown => return Ok(()),
                         SessionEnd::Lost(reason) => {
-                            tracing::warn!(%reason, "broker session lost; reconnecting");
+                            tracing::warn!(%reason, retry_in = ?delay, "broker session lost; reconnecting");
                         }
+                    }
+                    // Only a session that lived through the longest back-off resets it: one
+                    // that dies right away (a delivery that breaks it, a broker that closes
+                    // it) must not make reconnecting a hot loop.
+                    if began.elapsed() >= self.config.reconnect_max_delay {
+                        delay = self.config.reconnect_initial_delay;
                     }
                 }
                 Err(e) if broker::is_fatal(&e) => return Err(e.into()),

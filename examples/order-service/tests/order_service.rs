@@ -57,6 +57,7 @@ impl Drop for Cleanup {
     fn drop(&mut self) {
         let schema = self.schema.clone();
         let topology = self.config.topology.clone();
+        let retry = self.config.retry.clone();
         let thread = std::thread::spawn(move || {
             let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -68,7 +69,7 @@ impl Drop for Cleanup {
             runtime.block_on(async {
                 match Broker::connect(&amqp_url(), "order-service test cleanup").await {
                     Ok(broker) => {
-                        if let Err(e) = broker.delete(&topology).await {
+                        if let Err(e) = broker.delete(&topology, &retry).await {
                             eprintln!("cleanup: deleting {}: {e}", topology.queue);
                         }
                         broker.close().await;
@@ -139,7 +140,7 @@ impl Service {
             &format!("t-{id}-orders-exchange"),
         );
         // Fast retries, and a budget that outlasts any wait in these tests.
-        config.retry.retry_delay = Duration::from_millis(200);
+        config.retry.delays = vec![Duration::from_millis(200)];
         config.retry.max_attempts = 50;
         config.max_batch_delay = Duration::from_millis(10);
         config.reconnect_initial_delay = Duration::from_millis(100);
@@ -164,7 +165,7 @@ impl Service {
             .await
             .expect("RabbitMQ is reachable");
         broker
-            .declare(&config.topology, config.retry.retry_delay)
+            .declare(&config.topology, &config.retry)
             .await
             .expect("declare");
         Self {
@@ -257,7 +258,7 @@ impl Service {
 
     async fn depths(&self) -> QueueDepths {
         self.broker
-            .queue_depths(&self.config.topology)
+            .queue_depths(&self.config.topology, &self.config.retry)
             .await
             .expect("queue depths")
     }

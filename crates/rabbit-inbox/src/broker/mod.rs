@@ -1,12 +1,13 @@
 //! Everything that speaks AMQP. The only module that imports lapin.
 //!
-//! - [`topology`]: declaring the work, retry and parking queues.
-//! - [`publish`]: confirmed publishing, [`Broker`] (the tool-side connection).
-//! - [`session`]: the consumer runtime's connection, its deliveries.
-//! - [`settle`]: [`Settler`], the one place that acks, rejects or nacks.
+//! - [`topology`]: declaring the work queue, the retry tiers and the parking queue.
+//! - [`publish`]: confirmed publishing: the consumer runtime's own publishing connection,
+//!   [`Broker`] (the tool-side connection).
+//! - [`session`]: the consumer runtime's connections, its deliveries.
+//! - [`settle`]: [`Settler`], the one place that acks or nacks.
 //! - [`headers`]: AMQP header tables to and from JSON.
 //!
-//! Architecture invariant: [`Settler::settle_batch`] is the one function that acks, rejects or
+//! Architecture invariant: [`Settler::settle_batch`] is the one function that acks or
 //! nacks a delivery, and it takes [`crate::Outcome`]s, which only the processor produces after
 //! the outcome is durable. Lapin's `Acker` never leaves this module.
 

@@ -1,5 +1,6 @@
-//! Publishing with publisher confirms, and [`Broker`]: the connection tools and tests use to
-//! declare, publish and inspect.
+//! Publishing with publisher confirms: [`Publisher`], the consumer runtime's own publishing
+//! connection, and [`Broker`]: the connection tools and tests use to declare, publish and
+//! inspect.
 
 use std::time::Duration;
 
@@ -19,7 +20,11 @@ use super::{
     session::amqp_message,
     topology::declare,
 };
-use crate::{config::Topology, envelope::AmqpMessage, error::BrokerError};
+use crate::{
+    config::{RetryPolicy, Topology},
+    envelope::AmqpMessage,
+    error::BrokerError,
+};
 
 /// A message to publish (producer side: examples, demos, tests, replays).
 #[derive(Clone, Debug, Default)]
@@ -61,7 +66,7 @@ impl OutgoingMessage {
 pub struct QueueDepths {
     /// Ready messages in the work queue.
     pub work: u32,
-    /// Messages waiting in the retry queue.
+    /// Messages waiting in the retry queues (all tiers).
     pub retry: u32,
     /// Messages in the parking lot.
     pub parking: u32,
@@ -88,14 +93,15 @@ impl Broker {
         })
     }
 
-    /// Declares the work, retry and parking queues (and the exchange, if any). Idempotent; a
-    /// queue that exists with other arguments is an error (PRECONDITION_FAILED).
+    /// Declares the work queue, one retry queue per tier of `retry`, the parking queue (and
+    /// the exchange, if any). Idempotent; a queue that exists with other arguments is an error
+    /// (PRECONDITION_FAILED).
     pub async fn declare(
         &self,
         topology: &Topology,
-        retry_delay: Duration,
+        retry: &RetryPolicy,
     ) -> Result<(), BrokerError> {
-        declare(&self.channel, topology, retry_delay).await
+        declare(&self.channel, topology, retry).await
     }
 
     /// Publishes and waits for the broker's confirm. Unroutable messages are errors.
@@ -149,8 +155,12 @@ impl Broker {
         Ok(())
     }
 
-    /// Ready-message counts of the topology's queues.
-    pub async fn queue_depths(&self, topology: &Topology) -> Result<QueueDepths, BrokerError> {
+    /// Ready-message counts of the topology's queues; `retry` sums the tiers of `retry`.
+    pub async fn queue_depths(
+        &self,
+        topology: &Topology,
+        retry: &RetryPolicy,
+    ) -> Result<QueueDepths, BrokerError> {
         let passive = QueueDeclareOptions {
             passive: true,
             ..QueueDeclareOptions::default()
@@ -162,9 +172,13 @@ impl Broker {
                 .await?
                 .message_count())
         };
+        let mut retrying = 0u32;
+        for tier in topology.retry_tier_queues(retry) {
+            retrying = retrying.saturating_add(depth(&tier).await?);
+        }
         Ok(QueueDepths {
             work: depth(&topology.queue).await?,
-            retry: depth(&topology.retry_queue).await?,
+            retry: retrying,
             parking: depth(&topology.parking_queue).await?,
         })
     }
@@ -186,13 +200,19 @@ impl Broker {
         }
     }
 
-    /// Deletes the topology's queues (tests and demos that own them).
-    pub async fn delete(&self, topology: &Topology) -> Result<(), BrokerError> {
-        for q in [
-            &topology.queue,
-            &topology.retry_queue,
-            &topology.parking_queue,
-        ] {
+    /// Deletes the topology's queues, the retry tiers of `retry` among them (tests and demos
+    /// that own them). Also deletes a queue named `retry_queue` itself, the single retry queue
+    /// of earlier versions.
+    pub async fn delete(
+        &self,
+        topology: &Topology,
+        retry: &RetryPolicy,
+    ) -> Result<(), BrokerError> {
+        let mut queues = vec![topology.queue.clone()];
+        queues.extend(topology.retry_tier_queues(retry));
+        queues.push(topology.retry_queue.clone());
+        queues.push(topology.parking_queue.clone());
+        for q in &queues {
             self.channel
                 .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
                 .await?;
@@ -208,6 +228,96 @@ impl Broker {
     /// Closes the connection.
     pub async fn close(self) {
         let _ = self.connection.close(200, "bye".into()).await;
+    }
+}
+
+/// The consumer runtime's publishing side (retry tiers, parking lot): a connection of its own,
+/// because RabbitMQ blocks publishing connections under a memory or disk alarm and acks on the
+/// consuming connection must not stall with it; and a confirm channel, reopened when the
+/// broker closes it (a refused publish closes the channel with 406).
+pub(crate) struct Publisher {
+    amqp_url: String,
+    connection_name: String,
+    link: tokio::sync::Mutex<Option<PublishLink>>,
+}
+
+struct PublishLink {
+    connection: Connection,
+    channel: Channel,
+}
+
+async fn confirm_channel(connection: &Connection) -> Result<Channel, BrokerError> {
+    let channel = connection.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
+}
+
+impl Publisher {
+    /// Connects now, so that a broker refusing the connection fails the session's start.
+    pub(crate) async fn open(amqp_url: &str, connection_name: &str) -> Result<Self, BrokerError> {
+        let publisher = Self {
+            amqp_url: amqp_url.to_owned(),
+            connection_name: connection_name.to_owned(),
+            link: tokio::sync::Mutex::default(),
+        };
+        publisher.channel().await?;
+        Ok(publisher)
+    }
+
+    /// The confirm channel; reopened (and the connection with it, if that is gone) when closed.
+    async fn channel(&self) -> Result<Channel, BrokerError> {
+        let mut link = self.link.lock().await;
+        if let Some(open) = link.as_mut() {
+            if open.channel.status().connected() {
+                return Ok(open.channel.clone());
+            }
+            if open.connection.status().connected() {
+                tracing::debug!("publishing channel closed by the broker; reopening it");
+                open.channel = confirm_channel(&open.connection).await?;
+                return Ok(open.channel.clone());
+            }
+        }
+        // Dropping the old link closes its connection.
+        *link = None;
+        let connection = connect(&self.amqp_url, &self.connection_name).await?;
+        let channel = confirm_channel(&connection).await?;
+        *link = Some(PublishLink {
+            connection,
+            channel: channel.clone(),
+        });
+        Ok(channel)
+    }
+
+    /// Publishes to `queue` through the default exchange (mandatory) and waits for the
+    /// broker's confirm, at most `timeout`. Nacked, returned and unconfirmed publishes are
+    /// errors.
+    pub(crate) async fn publish_to_queue(
+        &self,
+        queue: &str,
+        body: &[u8],
+        properties: BasicProperties,
+        timeout: Duration,
+    ) -> Result<(), BrokerError> {
+        let publish = async {
+            let channel = self.channel().await?;
+            publish_confirmed(&channel, "", queue, body, properties).await
+        };
+        tokio::time::timeout(timeout, publish)
+            .await
+            .unwrap_or_else(|_| {
+                Err(BrokerError::NotConfirmed(format!(
+                    "queue {queue:?} (no confirm within {timeout:?})"
+                )))
+            })
+    }
+
+    /// Closes the publishing connection.
+    pub(crate) async fn close(&self) {
+        if let Some(link) = self.link.lock().await.take() {
+            let _ = link.connection.close(200, "shutdown".into()).await;
+        }
     }
 }
 

@@ -1,5 +1,5 @@
-//! The consumer runtime's broker connection: a consuming channel with prefetch and a
-//! confirm-mode channel for parking; deliveries as they arrive.
+//! The consumer runtime's broker connections: a consuming channel with prefetch, and a
+//! publishing connection of its own for retry and parking copies; deliveries as they arrive.
 
 use std::{sync::Arc, time::Instant};
 
@@ -7,11 +7,13 @@ use futures::StreamExt;
 use lapin::{
     Channel, Connection,
     message::Delivery,
-    options::{BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions},
+    options::{BasicConsumeOptions, BasicQosOptions},
     types::{FieldTable, ShortString},
 };
 
-use super::{connect, headers::table_to_json, settle::Settler, topology::declare};
+use super::{
+    connect, headers::table_to_json, publish::Publisher, settle::Settler, topology::declare,
+};
 use crate::{envelope::AmqpMessage, error::BrokerError};
 
 /// A delivery waiting for its outcome. Holds the acker; only [`settle`] uses it.
@@ -55,13 +57,15 @@ pub(super) fn amqp_message(delivery: &Delivery) -> AmqpMessage {
     }
 }
 
-/// One broker connection of the consumer runtime: a consuming channel with prefetch, and a
-/// confirm-mode channel for parking.
+/// One broker session of the consumer runtime: a consuming connection and channel with
+/// prefetch, and a [`Publisher`] on a connection of its own (a memory or disk alarm blocks
+/// publishing connections; acks must not wait for it).
 pub(crate) struct Session {
     connection: Arc<Connection>,
     channel: Channel,
     deliveries: lapin::Consumer,
     settler: Arc<Settler>,
+    publisher: Arc<Publisher>,
 }
 
 /// Whether a broker error is a configuration mismatch that retrying cannot fix (a queue
@@ -94,14 +98,17 @@ impl Session {
         let connection =
             connect(amqp_url, &format!("rabbit-inbox {}", config.consumer_name)).await?;
         let channel = connection.create_channel().await?;
-        declare(&channel, &config.topology, config.retry.retry_delay).await?;
+        declare(&channel, &config.topology, &config.retry).await?;
         channel
             .basic_qos(config.prefetch, BasicQosOptions::default())
             .await?;
-        let parking_channel = connection.create_channel().await?;
-        parking_channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        let publisher = Arc::new(
+            Publisher::open(
+                amqp_url,
+                &format!("rabbit-inbox {} publisher", config.consumer_name),
+            )
+            .await?,
+        );
         let deliveries = channel
             .basic_consume(
                 config.topology.queue.as_str().into(),
@@ -113,13 +120,9 @@ impl Session {
         Ok(Self {
             connection: Arc::new(connection),
             channel: channel.clone(),
-            settler: Arc::new(Settler::new(
-                channel.clone(),
-                parking_channel,
-                &config.topology.parking_queue,
-                &config.consumer_name,
-            )),
+            settler: Arc::new(Settler::new(channel.clone(), publisher.clone(), config)),
             deliveries,
+            publisher,
         })
     }
 
@@ -156,10 +159,12 @@ impl Session {
         }
     }
 
-    /// Closes channels and connection cleanly. Unsettled deliveries return to the queue.
+    /// Closes channels and connections cleanly. Unsettled deliveries return to the queue.
+    /// (A session dropped without this closes its connections too.)
     pub(crate) async fn close(self) {
         let _ = self.channel.close(200, "shutdown".into()).await;
         let _ = self.connection.close(200, "shutdown".into()).await;
+        self.publisher.close().await;
     }
 }
 

@@ -1,21 +1,26 @@
 //! Settling deliveries by their durable outcomes: acks (as multiple-acks over the settled
-//! prefix), retry rejects, requeues and parking.
+//! prefix), copies to a retry tier or the parking lot (confirmed, then acked), requeues.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    sync::Arc,
+    sync::{Arc, Mutex, PoisonError},
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use lapin::{
     BasicProperties, Channel,
     message::Delivery,
-    options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions},
-    types::AMQPValue,
+    options::{BasicAckOptions, BasicNackOptions},
+    types::{AMQPValue, FieldTable},
 };
 
-use super::{headers::long_string, publish::publish_confirmed, session::PendingDelivery};
-use crate::{envelope::Envelope, error::BrokerError, processor::Outcome, stats::ConsumerStats};
+use super::{headers::long_string, publish::Publisher, session::PendingDelivery};
+use crate::{
+    config::{ConsumerConfig, RetryPolicy},
+    envelope::Envelope,
+    processor::Outcome,
+    stats::ConsumerStats,
+};
 
 /// Headers the consumer adds to a parked message. Replay tools read them.
 pub mod parking_headers {
@@ -31,32 +36,68 @@ pub mod parking_headers {
     pub const INBOX_KEY: &str = "x-inbox-message-id";
     /// Unix milliseconds when it was parked.
     pub const PARKED_AT: &str = "x-inbox-parked-at";
-    /// Exchange and routing key it first arrived with, for replay.
+    /// Exchange and routing key it first arrived with, for replay. Kept from the first
+    /// delivery through the retry tiers.
     pub const ORIGINAL_EXCHANGE: &str = "x-inbox-original-exchange";
     /// See [`ORIGINAL_EXCHANGE`].
     pub const ORIGINAL_ROUTING_KEY: &str = "x-inbox-original-routing-key";
+    /// The producer's `expiration` property. Copies to the retry tiers and the parking lot do
+    /// not carry it (a parked copy would expire out of the parking lot); a redrive restores it.
+    pub const ORIGINAL_EXPIRATION: &str = "x-inbox-original-expiration";
+    /// The producer's `user-id` property. Copies do not carry it: the broker refuses a
+    /// publish whose `user-id` is not the publishing connection's user.
+    pub const ORIGINAL_USER_ID: &str = "x-inbox-original-user-id";
 }
 
-/// Where parked messages go: a confirm-mode channel and the parking queue's name.
-struct ParkingLot {
-    channel: Channel,
-    queue: Arc<str>,
-    consumer: Arc<str>,
-}
-
-/// Longest wait for one settlement (a parking publish waits for its confirm). Past it the
-/// channel is treated as broken; the broker redelivers what was not settled.
+/// Longest wait for one settlement (a copy waits for its confirm). Past it the publish counts
+/// as failed, or the consuming channel as broken; the broker redelivers what was not settled.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// What a session needs to settle deliveries: its ack tracker and its parking lot.
+/// What a session needs to settle deliveries: its ack tracker, the publisher for retry and
+/// parking copies, and where those go.
 pub(crate) struct Settler {
     acks: AckTracker,
-    parking: ParkingLot,
+    publisher: Arc<Publisher>,
+    parking_queue: Arc<str>,
+    retry_tiers: Vec<String>,
+    retry: RetryPolicy,
+    consumer: Arc<str>,
+    publish_backoff: Backoff,
+}
+
+/// Doubling delay after consecutive failed publishes, reset by a successful one: a broker
+/// that refuses copies must not turn into a hot requeue loop.
+struct Backoff {
+    initial: Duration,
+    max: Duration,
+    next: Mutex<Duration>,
+}
+
+impl Backoff {
+    fn new(initial: Duration, max: Duration) -> Self {
+        Self {
+            initial,
+            max,
+            next: Mutex::new(initial),
+        }
+    }
+
+    /// The delay to wait now; the next one doubles.
+    fn failed(&self) -> Duration {
+        let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = *next;
+        *next = (now * 2).min(self.max);
+        now
+    }
+
+    fn succeeded(&self) {
+        *self.next.lock().unwrap_or_else(PoisonError::into_inner) = self.initial;
+    }
 }
 
 /// Acks with `multiple=true`, but only over the contiguous prefix of delivery tags whose
 /// outcome is durable. A multiple-ack settles *every* earlier unsettled tag on the channel, so
-/// while any earlier delivery is still being processed (or its reject/park has not been sent),
+/// while any earlier delivery is still being processed (or its copy has not been confirmed),
 /// the tags after it wait.
 struct AckTracker {
     channel: Channel,
@@ -94,24 +135,35 @@ impl AckState {
     }
 }
 
+/// A delivery to copy to another queue before it is acked.
+struct Copy<'a> {
+    pending: PendingDelivery,
+    queue: &'a str,
+    properties: BasicProperties,
+    body: &'a [u8],
+}
+
 impl Settler {
-    /// A settler acking on `channel` and parking through the confirm-mode `parking_channel`.
+    /// A settler acking on the consuming `channel` and publishing copies through `publisher`.
     pub(super) fn new(
         channel: Channel,
-        parking_channel: Channel,
-        parking_queue: &str,
-        consumer: &str,
+        publisher: Arc<Publisher>,
+        config: &ConsumerConfig,
     ) -> Self {
         Self {
             acks: AckTracker {
                 channel,
                 state: tokio::sync::Mutex::default(),
             },
-            parking: ParkingLot {
-                channel: parking_channel,
-                queue: parking_queue.into(),
-                consumer: consumer.into(),
-            },
+            publisher,
+            parking_queue: config.topology.parking_queue.as_str().into(),
+            retry_tiers: config.topology.retry_tier_queues(&config.retry),
+            retry: config.retry.clone(),
+            consumer: config.consumer_name.as_str().into(),
+            publish_backoff: Backoff::new(
+                config.reconnect_initial_delay,
+                config.reconnect_max_delay,
+            ),
         }
     }
 
@@ -120,10 +172,21 @@ impl Settler {
         self.acks.state.lock().await.pending.insert(pending.tag());
     }
 
-    /// Settles a processed batch by its durable outcomes; the one function that acks, rejects or
-    /// nacks. Rejects, requeues and parks go first, one by one; the acks then go as one
-    /// multiple-ack over the settled prefix. Returns how many deliveries could not be settled
-    /// (the broker will redeliver them and the inbox will recognise them).
+    /// The retry queue for a message whose attempt `attempt` failed.
+    fn retry_tier(&self, attempt: i32) -> &str {
+        let tier = self.retry.tier_of_attempt(attempt);
+        self.retry_tiers
+            .get(tier)
+            .or(self.retry_tiers.last())
+            .map_or("", String::as_str)
+    }
+
+    /// Settles a processed batch by its durable outcomes; the one function that acks or nacks.
+    /// Requeues go first, one by one; retry and parking copies are published together and
+    /// confirmed; the acks (of processed deliveries and of confirmed copies) then go as one
+    /// multiple-ack over the settled prefix. A copy the broker does not confirm is requeued
+    /// after a back-off, and the session goes on. Returns how many deliveries could not be
+    /// settled (the broker will redeliver them and the inbox will recognise them).
     pub(crate) async fn settle_batch(
         &self,
         batch: Vec<(PendingDelivery, &Outcome, &Envelope)>,
@@ -131,160 +194,255 @@ impl Settler {
     ) -> usize {
         let mut settled = Vec::new();
         let mut to_ack = Vec::new();
+        let mut copies = Vec::new();
         let mut unsettled = 0;
         for (pending, outcome, envelope) in batch {
-            if matches!(outcome, Outcome::Processed | Outcome::Duplicate) {
-                to_ack.push((pending.tag(), pending.received_at));
-                continue;
-            }
-            let tag = pending.tag();
-            let received_at = pending.received_at;
-            let individual = settle_one(pending, outcome, envelope, &self.parking);
-            match tokio::time::timeout(SETTLE_TIMEOUT, individual).await {
-                Ok(Ok(true)) => {
-                    stats.record_latencies([received_at.elapsed()]);
-                    settled.push(tag);
+            let (queue, properties) = match outcome {
+                Outcome::Processed | Outcome::Duplicate => {
+                    to_ack.push((pending.tag(), pending.received_at));
+                    continue;
                 }
-                // Left pending on purpose: no later multiple-ack may cover it.
-                result => {
-                    tracing::debug!(delivery_tag = tag, ?result, "delivery not settled");
-                    unsettled += 1;
+                Outcome::Unrecorded { .. } => {
+                    // Cannot be processed now: back to the queue (the lane waited already).
+                    match requeue(&pending).await {
+                        Ok(()) => {
+                            stats.record_latencies([pending.received_at.elapsed()]);
+                            settled.push(pending.tag());
+                        }
+                        Err(()) => unsettled += 1,
+                    }
+                    continue;
+                }
+                Outcome::RetryScheduled { attempt, .. } => (
+                    self.retry_tier(*attempt),
+                    copy_properties(&pending.delivery, FieldTable::default()),
+                ),
+                Outcome::InFlightElsewhere => (
+                    self.retry_tier(1),
+                    copy_properties(&pending.delivery, FieldTable::default()),
+                ),
+                Outcome::Parked {
+                    status,
+                    code,
+                    message,
+                } => (
+                    &*self.parking_queue,
+                    copy_properties(
+                        &pending.delivery,
+                        self.reason_headers(envelope, status.as_str(), code, message),
+                    ),
+                ),
+            };
+            copies.push(Copy {
+                pending,
+                queue,
+                properties,
+                body: &envelope.body,
+            });
+        }
+
+        // All copies in flight at once: one confirm round trip for the batch.
+        let results = futures::future::join_all(copies.iter().map(|c| {
+            self.publisher
+                .publish_to_queue(c.queue, c.body, c.properties.clone(), SETTLE_TIMEOUT)
+        }))
+        .await;
+        let mut failed = Vec::new();
+        for (copy, result) in copies.into_iter().zip(results) {
+            match result {
+                Ok(()) => to_ack.push((copy.pending.tag(), copy.pending.received_at)),
+                Err(e) => {
+                    tracing::warn!(error = %e, queue = copy.queue, delivery_tag = copy.pending.tag(), "copy not confirmed; the delivery is requeued after a back-off");
+                    failed.push(copy.pending);
                 }
             }
         }
-        let mut state = self.acks.state.lock().await;
-        if let Some(through) = state.complete(&settled, &to_ack) {
-            let ack = self
-                .acks
-                .channel
-                .basic_ack(through, BasicAckOptions { multiple: true });
-            match tokio::time::timeout(SETTLE_TIMEOUT, ack).await {
-                Ok(Ok(())) => {
-                    let now = Instant::now();
-                    stats.record_latencies(
-                        state
-                            .take_through(through)
-                            .into_iter()
-                            .map(|at| now.duration_since(at)),
-                    );
-                }
-                result => {
-                    tracing::debug!(through, ?result, "multiple-ack failed");
-                    unsettled += to_ack.len();
+        let published = !to_ack.is_empty();
+        unsettled += self.ack_settled(&settled, &to_ack, stats).await;
+
+        if failed.is_empty() {
+            if published {
+                self.publish_backoff.succeeded();
+            }
+        } else {
+            // Not copied: keep the message. It comes back and its copy is published again;
+            // the wait keeps a broker that refuses copies from becoming a hot loop, and the
+            // consuming channel (and session) stays.
+            let delay = self.publish_backoff.failed();
+            tracing::warn!(failed = failed.len(), retry_in = ?delay, "publishing copies failed; requeueing after back-off");
+            tokio::time::sleep(delay).await;
+            let mut requeued = Vec::new();
+            for pending in failed {
+                match requeue(&pending).await {
+                    Ok(()) => {
+                        stats.record_latencies([pending.received_at.elapsed()]);
+                        requeued.push(pending.tag());
+                    }
+                    Err(()) => unsettled += 1,
                 }
             }
+            unsettled += self.ack_settled(&requeued, &[], stats).await;
         }
         if unsettled > 0 {
             stats.record_settle_failures(unsettled as u64);
         }
         unsettled
     }
-}
 
-/// Rejects, requeues or parks one delivery.
-async fn settle_one(
-    pending: PendingDelivery,
-    outcome: &Outcome,
-    envelope: &Envelope,
-    parking: &ParkingLot,
-) -> Result<bool, BrokerError> {
-    let acker = &pending.delivery.acker;
-    match outcome {
-        Outcome::Processed | Outcome::Duplicate => {
-            Ok(acker.ack(BasicAckOptions::default()).await?)
-        }
-        // Dead-letters into the retry queue, which returns it after the delay.
-        Outcome::RetryScheduled { .. } | Outcome::InFlightElsewhere => {
-            Ok(acker.reject(BasicRejectOptions { requeue: false }).await?)
-        }
-        Outcome::Unrecorded { .. } => Ok(acker
-            .nack(BasicNackOptions {
-                multiple: false,
-                requeue: true,
-            })
-            .await?),
-        Outcome::Parked {
-            status,
-            code,
-            message,
-        } => {
-            let properties = parked_properties(
-                &pending.delivery,
-                envelope,
-                parking,
-                status.as_str(),
-                code,
-                message,
-            );
-            let published = publish_confirmed(
-                &parking.channel,
-                "",
-                &parking.queue,
-                &envelope.body,
-                properties,
-            )
-            .await;
-            match published {
-                Ok(()) => Ok(acker.ack(BasicAckOptions::default()).await?),
-                Err(e) => {
-                    // Not parked: keep the message. It comes back and is parked again.
-                    tracing::warn!(error = %e, message_id = %envelope.message_id, "parking failed; requeueing");
-                    let _ = acker
-                        .nack(BasicNackOptions {
-                            multiple: false,
-                            requeue: true,
-                        })
-                        .await;
-                    Ok(false)
-                }
+    /// Records `settled` (settled individually) and `to_ack`, then sends the multiple-ack the
+    /// settled prefix allows. Returns how many of `to_ack` could not be acked.
+    async fn ack_settled(
+        &self,
+        settled: &[u64],
+        to_ack: &[(u64, Instant)],
+        stats: &ConsumerStats,
+    ) -> usize {
+        let mut state = self.acks.state.lock().await;
+        let Some(through) = state.complete(settled, to_ack) else {
+            return 0;
+        };
+        let ack = self
+            .acks
+            .channel
+            .basic_ack(through, BasicAckOptions { multiple: true });
+        match tokio::time::timeout(SETTLE_TIMEOUT, ack).await {
+            Ok(Ok(())) => {
+                let now = Instant::now();
+                stats.record_latencies(
+                    state
+                        .take_through(through)
+                        .into_iter()
+                        .map(|at| now.duration_since(at)),
+                );
+                0
+            }
+            result => {
+                tracing::debug!(through, ?result, "multiple-ack failed");
+                to_ack.len()
             }
         }
     }
+
+    /// The reason headers of a parked copy.
+    fn reason_headers(
+        &self,
+        envelope: &Envelope,
+        status: &str,
+        code: &str,
+        message: &str,
+    ) -> FieldTable {
+        let parked_at = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or_default();
+        let error: String = message.chars().take(1000).collect();
+        let mut headers = FieldTable::default();
+        for (k, v) in [
+            (parking_headers::STATUS, long_string(status)),
+            (parking_headers::ERROR_CODE, long_string(code)),
+            (parking_headers::ERROR, long_string(&error)),
+            (parking_headers::CONSUMER, long_string(&self.consumer)),
+            (
+                parking_headers::INBOX_KEY,
+                long_string(&envelope.message_id),
+            ),
+            (
+                parking_headers::PARKED_AT,
+                AMQPValue::LongLongInt(parked_at),
+            ),
+        ] {
+            headers.insert(k.into(), v);
+        }
+        headers
+    }
 }
 
-fn parked_properties(
-    delivery: &Delivery,
-    envelope: &Envelope,
-    parking: &ParkingLot,
-    status: &str,
-    code: &str,
-    message: &str,
-) -> BasicProperties {
-    let mut headers = delivery.properties.headers().clone().unwrap_or_default();
-    let parked_at = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or_default();
-    let error: String = message.chars().take(1000).collect();
-    for (k, v) in [
-        (parking_headers::STATUS, long_string(status)),
-        (parking_headers::ERROR_CODE, long_string(code)),
-        (parking_headers::ERROR, long_string(&error)),
-        (parking_headers::CONSUMER, long_string(&parking.consumer)),
-        (
-            parking_headers::INBOX_KEY,
-            long_string(&envelope.message_id),
-        ),
-        (
-            parking_headers::PARKED_AT,
-            AMQPValue::LongLongInt(parked_at),
-        ),
-        (
-            parking_headers::ORIGINAL_EXCHANGE,
-            long_string(delivery.exchange.as_str()),
-        ),
-        (
-            parking_headers::ORIGINAL_ROUTING_KEY,
-            long_string(delivery.routing_key.as_str()),
-        ),
-    ] {
-        headers.insert(k.into(), v);
+/// Requeues one delivery (never with `multiple`: that would requeue every earlier unsettled
+/// delivery of the channel, whatever its outcome).
+async fn requeue(pending: &PendingDelivery) -> Result<(), ()> {
+    let nack = pending.delivery.acker.nack(BasicNackOptions {
+        multiple: false,
+        requeue: true,
+    });
+    match tokio::time::timeout(SETTLE_TIMEOUT, nack).await {
+        Ok(Ok(_)) => Ok(()),
+        result => {
+            tracing::debug!(delivery_tag = pending.tag(), ?result, "requeue failed");
+            Err(())
+        }
     }
-    delivery
-        .properties
-        .clone()
+}
+
+/// Properties of a copy of `delivery` published by the consumer (retry tier, parking lot):
+/// the producer's, persistent, with `extra` headers, and without `expiration` and `user-id`,
+/// whose originals move to `x-inbox-original-*` headers. The first delivery's exchange and
+/// routing key are kept in headers too; a header already there (set on an earlier copy) wins.
+fn copy_properties(delivery: &Delivery, extra: FieldTable) -> BasicProperties {
+    let p = &delivery.properties;
+    let mut headers = p.headers().clone().unwrap_or_default();
+    let mut keep = |name: &str, value: AMQPValue| {
+        if !headers.contains_key(name) {
+            headers.insert(name.into(), value);
+        }
+    };
+    keep(
+        parking_headers::ORIGINAL_EXCHANGE,
+        long_string(delivery.exchange.as_str()),
+    );
+    keep(
+        parking_headers::ORIGINAL_ROUTING_KEY,
+        long_string(delivery.routing_key.as_str()),
+    );
+    if let Some(expiration) = p.expiration() {
+        headers.insert(
+            parking_headers::ORIGINAL_EXPIRATION.into(),
+            long_string(expiration.as_str()),
+        );
+    }
+    if let Some(user_id) = p.user_id() {
+        headers.insert(
+            parking_headers::ORIGINAL_USER_ID.into(),
+            long_string(user_id.as_str()),
+        );
+    }
+    for (k, v) in &extra {
+        headers.insert(k.clone(), v.clone());
+    }
+    // Rebuilt field by field: lapin's properties cannot unset a field.
+    let mut copy = BasicProperties::default()
         .with_headers(headers)
-        .with_delivery_mode(2)
+        .with_delivery_mode(2);
+    if let Some(v) = p.content_type() {
+        copy = copy.with_content_type(v.clone());
+    }
+    if let Some(v) = p.content_encoding() {
+        copy = copy.with_content_encoding(v.clone());
+    }
+    if let Some(v) = p.priority() {
+        copy = copy.with_priority(*v);
+    }
+    if let Some(v) = p.correlation_id() {
+        copy = copy.with_correlation_id(v.clone());
+    }
+    if let Some(v) = p.reply_to() {
+        copy = copy.with_reply_to(v.clone());
+    }
+    if let Some(v) = p.message_id() {
+        copy = copy.with_message_id(v.clone());
+    }
+    if let Some(v) = p.timestamp() {
+        copy = copy.with_timestamp(*v);
+    }
+    if let Some(v) = p.kind() {
+        copy = copy.with_type(v.clone());
+    }
+    if let Some(v) = p.app_id() {
+        copy = copy.with_app_id(v.clone());
+    }
+    if let Some(v) = p.cluster_id() {
+        copy = copy.with_cluster_id(v.clone());
+    }
+    copy
 }
 
 #[cfg(test)]

@@ -136,7 +136,7 @@ impl Drop for Cleanup {
                     // A fresh connection per topology: a failed delete closes the channel.
                     match Broker::connect(&amqp_url(), "rabbit-inbox test cleanup").await {
                         Ok(broker) => {
-                            if let Err(e) = broker.delete(topology).await {
+                            if let Err(e) = broker.delete(topology, &test_retry()).await {
                                 eprintln!("cleanup: deleting {}: {e}", topology.queue);
                             }
                             broker.close().await;
@@ -278,7 +278,7 @@ impl TestEnv {
     pub(crate) fn config(&self, consumer_name: &str, topology: Topology) -> ConsumerConfig {
         let mut config = ConsumerConfig::new(consumer_name, topology);
         config.schema = self.schema.clone();
-        config.retry.retry_delay = Duration::from_millis(200);
+        config.retry.delays = test_retry().delays;
         config.retry.max_attempts = 5;
         config.max_batch_delay = Duration::from_millis(10);
         config.reconnect_initial_delay = Duration::from_millis(100);
@@ -290,7 +290,7 @@ impl TestEnv {
     /// before it starts.
     pub(crate) async fn declare(&self, config: &ConsumerConfig) {
         self.broker
-            .declare(&config.topology, config.retry.retry_delay)
+            .declare(&config.topology, &config.retry)
             .await
             .expect("queues are declared");
     }
@@ -305,7 +305,7 @@ impl TestEnv {
 
     pub(crate) async fn depths(&self, topology: &Topology) -> QueueDepths {
         self.broker
-            .queue_depths(topology)
+            .queue_depths(topology, &test_retry())
             .await
             .expect("queue depths")
     }
@@ -826,4 +826,10 @@ impl BatchHandler for TestBatchHandler {
             None => Ok(()),
         }
     }
+}
+
+/// The retry tiers of [`TestEnv::config`] (one fast tier), which [`TestEnv::depths`] and the
+/// cleanup assume.
+pub(crate) fn test_retry() -> rabbit_inbox::RetryPolicy {
+    rabbit_inbox::RetryPolicy::fixed(Duration::from_millis(200))
 }
