@@ -3,9 +3,9 @@
 
 use arbitrary::{Arbitrary, Unstructured};
 use rabbit_inbox::{
-    AGGREGATE_ID_HEADER, AmqpMessage, CAUSATION_HEADER, DedupStrategy, EnvelopeRules,
-    InvalidReason, MAX_KEY_LEN, TENANT_HEADER, TRACEPARENT_HEADER, TYPE_HEADER, VERSION_HEADER,
-    parse,
+    AGGREGATE_ID_HEADER, AGGREGATE_TYPE_HEADER, AmqpMessage, BodyHash, CAUSATION_HEADER,
+    DedupStrategy, Envelope, EnvelopeRules, FieldLimits, InvalidReason, MAX_KEY_LEN, TENANT_HEADER,
+    TRACEPARENT_HEADER, TYPE_HEADER, VERSION_HEADER, canonical_json, parse,
 };
 use serde_json::{Map, Number, Value};
 use sha2::{Digest, Sha256};
@@ -18,6 +18,7 @@ pub const KNOWN_HEADERS: &[&str] = &[
     VERSION_HEADER,
     TYPE_HEADER,
     AGGREGATE_ID_HEADER,
+    AGGREGATE_TYPE_HEADER,
     CAUSATION_HEADER,
     TENANT_HEADER,
     TRACEPARENT_HEADER,
@@ -129,7 +130,22 @@ pub fn strategies(header: &str, pointers: &[String]) -> Vec<DedupStrategy> {
     ]
 }
 
-/// A small rule set (tiny body limit, versions 1..=3) and the default one, per strategy.
+/// Field limits small enough for generated values to cross them.
+pub fn small_limits() -> FieldLimits {
+    FieldLimits {
+        message_type: 8,
+        aggregate_type: 8,
+        aggregate_id: 8,
+        correlation_id: 8,
+        causation_id: 8,
+        tenant_id: 8,
+        traceparent: FieldLimits::TRACEPARENT_V00_LEN,
+        headers: 256,
+    }
+}
+
+/// A small rule set (tiny body and field limits, versions 1..=3, raw body hash) and the
+/// default one, per strategy.
 pub fn rule_sets(header: &str, pointers: &[String]) -> Vec<EnvelopeRules> {
     strategies(header, pointers)
         .into_iter()
@@ -139,6 +155,8 @@ pub fn rule_sets(header: &str, pointers: &[String]) -> Vec<EnvelopeRules> {
                     dedup: dedup.clone(),
                     max_payload_bytes: 64,
                     supported_versions: 1..=3,
+                    field_limits: small_limits(),
+                    body_hash: BodyHash::RawBytes,
                 },
                 EnvelopeRules {
                     dedup,
@@ -149,12 +167,51 @@ pub fn rule_sets(header: &str, pointers: &[String]) -> Vec<EnvelopeRules> {
         .collect()
 }
 
+/// Every stored field of `e` is within `limits` (a byte length below the stored length).
+fn assert_within_limits(e: &Envelope, limits: &FieldLimits) {
+    let fields = [
+        ("type", Some(&e.message_type), limits.message_type),
+        (
+            "aggregate type",
+            e.aggregate_type.as_ref(),
+            limits.aggregate_type,
+        ),
+        ("aggregate id", e.aggregate_id.as_ref(), limits.aggregate_id),
+        (
+            "correlation",
+            e.correlation_id.as_ref(),
+            limits.correlation_id,
+        ),
+        ("causation", e.causation_id.as_ref(), limits.causation_id),
+        ("tenant", e.tenant_id.as_ref(), limits.tenant_id),
+        ("traceparent", e.traceparent.as_ref(), limits.traceparent),
+    ];
+    for (name, value, limit) in fields {
+        let len = value.map_or(0, String::len);
+        assert!(len <= limit, "{name} of {len} bytes over {limit}");
+    }
+}
+
+/// SHA-256 of `body` as the rules hash it.
+fn body_sha256(body: &[u8], rules: &EnvelopeRules) -> [u8; 32] {
+    let payload = (body.len() <= rules.max_payload_bytes)
+        .then(|| serde_json::from_slice::<Value>(body).ok())
+        .flatten();
+    match (payload, rules.body_hash) {
+        (Some(payload), BodyHash::CanonicalJson) => {
+            Sha256::digest(canonical_json(&payload).as_bytes()).into()
+        }
+        _ => Sha256::digest(body).into(),
+    }
+}
+
 /// Parses `msg` under `rules` twice and checks what any result must satisfy.
 pub fn check(msg: &AmqpMessage, rules: &EnvelopeRules) {
     let first = parse(msg.clone(), rules);
     let again = parse(msg.clone(), rules);
     assert_eq!(first, again, "parsing is deterministic");
     let sha: [u8; 32] = Sha256::digest(&msg.body).into();
+    let hashed = body_sha256(&msg.body, rules);
     match first {
         Ok(e) => {
             assert!(
@@ -168,7 +225,11 @@ pub fn check(msg: &AmqpMessage, rules: &EnvelopeRules) {
             assert!(rules.supported_versions.contains(&e.message_version));
             let payload: Value = serde_json::from_slice(&msg.body).expect("a valid body is JSON");
             assert_eq!(e.payload, payload);
-            assert_eq!(e.payload_sha256, sha);
+            assert_eq!(e.payload_sha256, hashed);
+            assert_eq!(e.raw_body_sha256(), sha);
+            assert_within_limits(&e, &rules.field_limits);
+            let headers_len = serde_json::to_vec(&e.headers).map_or(0, |h| h.len());
+            assert!(headers_len <= rules.field_limits.headers);
             assert_eq!(e.body, msg.body);
             assert_eq!(e.headers, msg.headers, "headers are passed through");
             assert!(!e.message_type.is_empty());
@@ -186,6 +247,22 @@ pub fn check(msg: &AmqpMessage, rules: &EnvelopeRules) {
                     assert_eq!(key.ok(), Some(e.message_id), "key of the rewritten body");
                 }
             }
+            if rules.body_hash == BodyHash::CanonicalJson {
+                // The same JSON, written another way, is the same body.
+                let mut written = serde_json::to_vec_pretty(&e.payload).expect("serializable");
+                written.insert(0, b' ');
+                if written.len() <= rules.max_payload_bytes
+                    && serde_json::from_slice::<Value>(&written).ok().as_ref() == Some(&e.payload)
+                {
+                    let rewritten = AmqpMessage {
+                        body: written,
+                        ..msg.clone()
+                    };
+                    if let Ok(again) = parse(rewritten, rules) {
+                        assert_eq!(again.payload_sha256, e.payload_sha256, "rewritten body");
+                    }
+                }
+            }
         }
         Err(invalid) => {
             let key = &invalid.envelope.message_id;
@@ -201,7 +278,19 @@ pub fn check(msg: &AmqpMessage, rules: &EnvelopeRules) {
                 "{:?} has no detail",
                 invalid.reason
             );
-            assert_eq!(invalid.envelope.payload_sha256, sha);
+            assert_eq!(invalid.envelope.payload_sha256, hashed);
+            assert_eq!(invalid.envelope.raw_body_sha256(), sha);
+            // Storable whatever the reason.
+            assert_within_limits(&invalid.envelope, &rules.field_limits);
+            let headers_len = serde_json::to_vec(&invalid.envelope.headers).map_or(0, |h| h.len());
+            assert!(
+                headers_len <= rules.field_limits.headers
+                    || invalid
+                        .envelope
+                        .headers
+                        .contains_key("x-inbox-headers-omitted"),
+                "stored headers of {headers_len} bytes"
+            );
             assert_eq!(
                 invalid.envelope.body, msg.body,
                 "the body is kept to park it"

@@ -331,6 +331,46 @@ impl ConsumerConfig {
         if self.envelope.supported_versions.is_empty() {
             return invalid("envelope.supported_versions", "must not be empty");
         }
+        let limits = &self.envelope.field_limits;
+        for (name, limit) in [
+            ("envelope.field_limits.message_type", limits.message_type),
+            (
+                "envelope.field_limits.aggregate_type",
+                limits.aggregate_type,
+            ),
+            ("envelope.field_limits.aggregate_id", limits.aggregate_id),
+            (
+                "envelope.field_limits.correlation_id",
+                limits.correlation_id,
+            ),
+            ("envelope.field_limits.causation_id", limits.causation_id),
+            ("envelope.field_limits.tenant_id", limits.tenant_id),
+            ("envelope.field_limits.headers", limits.headers),
+        ] {
+            if limit == 0 {
+                return invalid(name, "must be at least 1");
+            }
+        }
+        if limits.aggregate_type.saturating_add(limits.aggregate_id)
+            > crate::FieldLimits::MAX_AGGREGATE_BYTES
+        {
+            return invalid(
+                "envelope.field_limits",
+                &format!(
+                    "aggregate_type + aggregate_id must not exceed {} bytes (one index entry)",
+                    crate::FieldLimits::MAX_AGGREGATE_BYTES
+                ),
+            );
+        }
+        if limits.traceparent < crate::FieldLimits::TRACEPARENT_V00_LEN {
+            return invalid(
+                "envelope.field_limits.traceparent",
+                &format!(
+                    "must be at least {} (a W3C traceparent of version 00)",
+                    crate::FieldLimits::TRACEPARENT_V00_LEN
+                ),
+            );
+        }
         if let crate::DedupStrategy::PayloadFields(fields) = &self.envelope.dedup
             && (fields.is_empty() || fields.iter().any(|f| !f.starts_with('/')))
         {
@@ -429,5 +469,25 @@ mod tests {
         assert!(err.contains("delivery_limit"), "{err}");
         c.prefetch = 100;
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn field_limits_are_checked() {
+        let base = ConsumerConfig::new("svc", Topology::new("orders"));
+        let err = |change: &dyn Fn(&mut crate::FieldLimits)| {
+            let mut c = base.clone();
+            change(&mut c.envelope.field_limits);
+            c.validate().err().map(|e| e.to_string())
+        };
+        assert_eq!(err(&|_| ()), None);
+        let zero = err(&|l| l.tenant_id = 0).expect("invalid");
+        assert!(zero.contains("field_limits.tenant_id"), "{zero}");
+        assert!(err(&|l| l.headers = 0).is_some());
+        // One index entry holds both aggregate fields.
+        assert!(err(&|l| (l.aggregate_type, l.aggregate_id) = (1200, 1200)).is_none());
+        assert!(err(&|l| (l.aggregate_type, l.aggregate_id) = (1200, 1201)).is_some());
+        assert!(err(&|l| l.aggregate_id = usize::MAX).is_some());
+        assert!(err(&|l| l.traceparent = 54).is_some());
+        assert!(err(&|l| l.traceparent = 512).is_none());
     }
 }

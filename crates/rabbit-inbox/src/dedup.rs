@@ -22,7 +22,9 @@ pub enum DedupStrategy {
     /// `cloudEvents_id`) header in binary mode, the body's `id` in structured mode.
     CloudEventsId,
     /// SHA-256 over named stable payload fields (JSON pointers such as `/order_id`), for
-    /// producers that send no usable id. List only fields that are equal on every copy.
+    /// producers that send no usable id. List only fields that are equal on every copy. Each
+    /// value is hashed in canonical JSON ([`crate::canonical_json()`]), so key order and
+    /// number forms inside it do not matter.
     PayloadFields(Vec<String>),
 }
 
@@ -93,9 +95,11 @@ impl DedupStrategy {
                     let value = payload.pointer(pointer).ok_or_else(|| {
                         KeyError::Missing(format!("payload field {pointer:?} is absent"))
                     })?;
-                    // serde_json writes objects with sorted keys (no preserve_order), so equal
-                    // values hash equally; the separator keeps ["ab","c"] apart from ["a","bc"].
-                    hasher.update(value.to_string().as_bytes());
+                    // Canonical JSON: equal values hash equally however the body wrote them
+                    // and whatever serde_json features the build enables (`preserve_order`
+                    // keeps a Map in insertion order). The separator, which JSON text never
+                    // contains, keeps ["ab","c"] apart from ["a","bc"].
+                    crate::canonical_json::hash_into(value, &mut hasher);
                     hasher.update([0u8]);
                 }
                 format!("sha256:{}", hex::encode(hasher.finalize()))
@@ -200,6 +204,43 @@ mod tests {
         let split2 = s.extract(None, &h, None, Some(&json!({"a": "a", "b": "bc"})));
         assert_ne!(split1, split2);
         assert!(s.extract(None, &h, None, Some(&json!({"a": 1}))).is_err());
+    }
+
+    #[test]
+    fn payload_field_keys_do_not_depend_on_how_the_body_is_written() {
+        let s = DedupStrategy::PayloadFields(vec!["/order".into(), "/n".into()]);
+        let h = Map::new();
+        let key = |body: &str| {
+            let payload: Value = serde_json::from_str(body).expect("valid");
+            s.extract(None, &h, None, Some(&payload))
+        };
+        let one = key(r#"{"order":{"id":"o-1","lines":[1,2]},"n":2.0}"#);
+        let two = key("{ \"n\": 2, \"order\": { \"lines\": [1, 2], \"id\": \"o-\\u0031\" } }");
+        assert_eq!(one, two);
+        assert_ne!(one, key(r#"{"order":{"id":"o-1","lines":[2,1]},"n":2}"#));
+        assert_ne!(one, key(r#"{"order":{"id":"o-1","lines":[1,2]},"n":3}"#));
+    }
+
+    #[test]
+    fn payload_field_keys_of_strings_and_integers_are_unchanged() {
+        // Keys recorded by earlier versions (compact serde_json text of each value) still
+        // match: for strings and integers the canonical form is the same text.
+        let s = DedupStrategy::PayloadFields(vec!["/id".into(), "/seq".into()]);
+        let got = s.extract(
+            None,
+            &Map::new(),
+            None,
+            Some(&json!({"id": "o-\u{e9}\n", "seq": 7})),
+        );
+        let mut hasher = Sha256::new();
+        hasher.update(json!("o-\u{e9}\n").to_string().as_bytes());
+        hasher.update([0u8]);
+        hasher.update(b"7");
+        hasher.update([0u8]);
+        assert_eq!(
+            got,
+            Ok(format!("sha256:{}", hex::encode(hasher.finalize())))
+        );
     }
 
     #[test]

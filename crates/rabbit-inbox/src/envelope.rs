@@ -2,14 +2,19 @@
 //!
 //! Parsing never fails silently: a delivery without a usable key, with a body that is not JSON,
 //! too large, or of an unsupported version becomes an [`InvalidMessage`] that the consumer
-//! records and parks. It is never processed without dedup and never dropped.
+//! records and parks. It is never processed without dedup and never dropped. Every field a
+//! producer controls that the inbox stores is bounded ([`FieldLimits`]), and an invalid
+//! message's envelope is cut down to those bounds, so that its failure can always be recorded.
 
 use std::ops::RangeInclusive;
 
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-use crate::dedup::{DedupStrategy, KeyError};
+use crate::{
+    canonical_json::canonical_sha256,
+    dedup::{DedupStrategy, KeyError},
+};
 
 /// Header carrying the message version (integer, or a string holding one). Absent means 1.
 pub const VERSION_HEADER: &str = "x-message-version";
@@ -55,6 +60,10 @@ pub struct EnvelopeRules {
     pub max_payload_bytes: usize,
     /// Message versions this consumer understands.
     pub supported_versions: RangeInclusive<i32>,
+    /// Longest accepted value of each stored field a producer controls.
+    pub field_limits: FieldLimits,
+    /// How the body hash that detects payload conflicts is computed.
+    pub body_hash: BodyHash,
 }
 
 impl Default for EnvelopeRules {
@@ -63,8 +72,71 @@ impl Default for EnvelopeRules {
             dedup: DedupStrategy::MessageId,
             max_payload_bytes: 1024 * 1024,
             supported_versions: 1..=1,
+            field_limits: FieldLimits::default(),
+            body_hash: BodyHash::default(),
         }
     }
+}
+
+/// Longest accepted value, in bytes, of each producer-controlled field the inbox stores or
+/// indexes. A message over a limit is invalid ([`InvalidReason::FieldTooLong`],
+/// [`InvalidReason::HeadersTooLarge`]). Lengths count UTF-8 bytes as stored: a U+0000, which
+/// PostgreSQL text cannot hold, is stored as U+FFFD and counts its 3 bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldLimits {
+    /// [`Envelope::message_type`].
+    pub message_type: usize,
+    /// `x-aggregate-type`. Indexed together with the aggregate id, see
+    /// [`FieldLimits::MAX_AGGREGATE_BYTES`].
+    pub aggregate_type: usize,
+    /// `x-aggregate-id`.
+    pub aggregate_id: usize,
+    /// The AMQP `correlation-id` property.
+    pub correlation_id: usize,
+    /// `x-causation-id`.
+    pub causation_id: usize,
+    /// `x-tenant-id`.
+    pub tenant_id: usize,
+    /// W3C `traceparent`: 55 characters in version 00 of the format.
+    pub traceparent: usize,
+    /// All application headers, serialized as compact JSON.
+    pub headers: usize,
+}
+
+impl FieldLimits {
+    /// Most bytes the aggregate type and id may take together: they share one B-tree index
+    /// entry, which PostgreSQL caps at about 2,700 bytes (SQLSTATE 54000 beyond).
+    pub const MAX_AGGREGATE_BYTES: usize = 2400;
+    /// The length of a W3C `traceparent` of version 00, the least `traceparent` limit.
+    pub const TRACEPARENT_V00_LEN: usize = 55;
+}
+
+impl Default for FieldLimits {
+    fn default() -> Self {
+        Self {
+            message_type: 255,
+            aggregate_type: 255,
+            aggregate_id: 255,
+            correlation_id: 255,
+            causation_id: 255,
+            tenant_id: 255,
+            traceparent: Self::TRACEPARENT_V00_LEN,
+            headers: 64 * 1024,
+        }
+    }
+}
+
+/// How [`Envelope::payload_sha256`] is computed. A redelivered key whose body hashes
+/// differently is a payload conflict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum BodyHash {
+    /// A JSON body hashes in canonical form ([`crate::canonical_json()`]): a republish that
+    /// writes the same JSON with other key order, whitespace, escapes or number forms is the
+    /// same body. A body that is not JSON, or too large to be parsed, hashes its raw bytes.
+    #[default]
+    CanonicalJson,
+    /// Always the raw bytes: any byte of difference is a conflict.
+    RawBytes,
 }
 
 /// A parsed message. Immutable for handlers.
@@ -95,7 +167,8 @@ pub struct Envelope {
     pub payload: Value,
     /// The raw body.
     pub body: Vec<u8>,
-    /// SHA-256 of the raw body.
+    /// SHA-256 of the body as [`EnvelopeRules::body_hash`] says: by default of the canonical
+    /// JSON of the payload, of the raw bytes for a body that is not JSON.
     pub payload_sha256: [u8; 32],
     /// The broker's redelivered flag. Not an error: redelivery is normal.
     pub redelivered: bool,
@@ -107,6 +180,13 @@ impl Envelope {
     /// Key used to keep one aggregate's messages in order: the aggregate id, else the dedup key.
     pub fn lane_key(&self) -> &str {
         self.aggregate_id.as_deref().unwrap_or(&self.message_id)
+    }
+
+    /// SHA-256 of the raw body bytes, computed on each call. Rows recorded with
+    /// [`BodyHash::RawBytes`] (or before canonical hashing) hold this hash: a body matching
+    /// either hash is the same body.
+    pub fn raw_body_sha256(&self) -> [u8; 32] {
+        Sha256::digest(&self.body).into()
     }
 }
 
@@ -127,6 +207,11 @@ pub enum InvalidReason {
     MalformedVersion,
     /// The version is outside the supported range.
     UnsupportedVersion,
+    /// A stored field (aggregate type or id, correlation, causation or tenant id,
+    /// traceparent, message type) is longer than its [`FieldLimits`] entry.
+    FieldTooLong,
+    /// The headers as JSON are larger than [`FieldLimits::headers`].
+    HeadersTooLarge,
 }
 
 impl InvalidReason {
@@ -140,6 +225,8 @@ impl InvalidReason {
             InvalidReason::InvalidJson => "invalid_json",
             InvalidReason::MalformedVersion => "malformed_version",
             InvalidReason::UnsupportedVersion => "unsupported_version",
+            InvalidReason::FieldTooLong => "field_too_long",
+            InvalidReason::HeadersTooLarge => "headers_too_large",
         }
     }
 }
@@ -158,7 +245,22 @@ pub struct InvalidMessage {
 
 /// Parses `msg` under `rules`.
 pub fn parse(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<InvalidMessage>> {
-    let payload_sha256: [u8; 32] = Sha256::digest(&msg.body).into();
+    classify(msg, rules).map_err(|mut invalid| {
+        make_storable(&mut invalid, &rules.field_limits);
+        invalid
+    })
+}
+
+/// [`parse`], before an invalid message's envelope is cut down to the limits.
+fn classify(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<InvalidMessage>> {
+    // A body over the limit is not even parsed.
+    let payload: Option<Value> = (msg.body.len() <= rules.max_payload_bytes)
+        .then(|| serde_json::from_slice(&msg.body).ok())
+        .flatten();
+    let payload_sha256 = match (&payload, rules.body_hash) {
+        (Some(payload), BodyHash::CanonicalJson) => canonical_sha256(payload),
+        _ => Sha256::digest(&msg.body).into(),
+    };
     let mut envelope = Envelope {
         message_id: String::new(),
         message_type: message_type(&msg),
@@ -186,7 +288,7 @@ pub fn parse(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<In
             let shown: String = id.chars().take(512).collect();
             envelope
                 .headers
-                .insert("x-inbox-original-message-id".into(), Value::String(shown));
+                .insert(ORIGINAL_MESSAGE_ID.into(), Value::String(shown));
         }
         hasher.update([0u8]);
         hasher.update(&envelope.body);
@@ -207,7 +309,6 @@ pub fn parse(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<In
         return Err(invalid(envelope, InvalidReason::PayloadTooLarge, detail));
     }
 
-    let payload: Option<Value> = serde_json::from_slice(&envelope.body).ok();
     let key = rules.dedup.extract(
         msg.message_id.as_deref(),
         &envelope.headers,
@@ -229,6 +330,20 @@ pub fn parse(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<In
         Err(KeyError::Malformed(d)) => {
             return Err(invalid(envelope, InvalidReason::MalformedMessageId, d));
         }
+    }
+
+    // The key is usable: the refusal keeps it, so redeliveries map to one row.
+    if let Some((field, len, limit)) = oversized_field(&envelope, &rules.field_limits) {
+        let detail = format!("{field} is {len} bytes, the limit is {limit}");
+        return Err(keep_key(envelope, InvalidReason::FieldTooLong, detail));
+    }
+    let headers_len = json_len(&envelope.headers);
+    if headers_len > rules.field_limits.headers {
+        let detail = format!(
+            "the headers are {headers_len} bytes as JSON, the limit is {}",
+            rules.field_limits.headers
+        );
+        return Err(keep_key(envelope, InvalidReason::HeadersTooLarge, detail));
     }
 
     match version(&envelope.headers) {
@@ -273,6 +388,207 @@ fn keep_key(envelope: Envelope, reason: InvalidReason, detail: String) -> Box<In
         detail,
         envelope,
     })
+}
+
+/// Name of the message-type field in details.
+const MESSAGE_TYPE_FIELD: &str = "the message type";
+/// Name of the correlation id in details.
+const CORRELATION_FIELD: &str = "correlation-id";
+/// Header an invalid message's stored headers are replaced by when they are over the limit;
+/// holds their size. The parked copy keeps the originals.
+const HEADERS_OMITTED: &str = "x-inbox-headers-omitted";
+/// Header that [`classify`] adds to keep a refused id; kept when the headers are omitted.
+const ORIGINAL_MESSAGE_ID: &str = "x-inbox-original-message-id";
+
+/// The first stored field over its limit: its name, stored length and limit.
+fn oversized_field(
+    envelope: &Envelope,
+    limits: &FieldLimits,
+) -> Option<(&'static str, usize, usize)> {
+    [
+        (
+            MESSAGE_TYPE_FIELD,
+            Some(envelope.message_type.as_str()),
+            limits.message_type,
+        ),
+        (
+            AGGREGATE_TYPE_HEADER,
+            envelope.aggregate_type.as_deref(),
+            limits.aggregate_type,
+        ),
+        (
+            AGGREGATE_ID_HEADER,
+            envelope.aggregate_id.as_deref(),
+            limits.aggregate_id,
+        ),
+        (
+            CORRELATION_FIELD,
+            envelope.correlation_id.as_deref(),
+            limits.correlation_id,
+        ),
+        (
+            CAUSATION_HEADER,
+            envelope.causation_id.as_deref(),
+            limits.causation_id,
+        ),
+        (
+            TENANT_HEADER,
+            envelope.tenant_id.as_deref(),
+            limits.tenant_id,
+        ),
+        (
+            TRACEPARENT_HEADER,
+            envelope.traceparent.as_deref(),
+            limits.traceparent,
+        ),
+    ]
+    .into_iter()
+    .find_map(|(name, value, limit)| {
+        let len = stored_len(value?);
+        (len > limit).then_some((name, len, limit))
+    })
+}
+
+/// Cuts an invalid message's envelope down to `limits`, so that its failure record can be
+/// written whatever the producer sent: a field over its limit keeps its first bytes (a
+/// traceparent is dropped: a cut one means nothing), headers over theirs are replaced by a note
+/// of their size. The detail names what was cut and its original length; the parked copy
+/// carries the original properties and headers.
+fn make_storable(invalid: &mut InvalidMessage, limits: &FieldLimits) {
+    let e = &mut invalid.envelope;
+    let mut cut = Vec::new();
+    let len = stored_len(&e.message_type);
+    if len > limits.message_type {
+        truncate_stored(&mut e.message_type, limits.message_type);
+        cut.push(format!("{MESSAGE_TYPE_FIELD} ({len} bytes)"));
+    }
+    for (name, field, limit) in [
+        (
+            AGGREGATE_TYPE_HEADER,
+            &mut e.aggregate_type,
+            limits.aggregate_type,
+        ),
+        (
+            AGGREGATE_ID_HEADER,
+            &mut e.aggregate_id,
+            limits.aggregate_id,
+        ),
+        (
+            CORRELATION_FIELD,
+            &mut e.correlation_id,
+            limits.correlation_id,
+        ),
+        (CAUSATION_HEADER, &mut e.causation_id, limits.causation_id),
+        (TENANT_HEADER, &mut e.tenant_id, limits.tenant_id),
+    ] {
+        if let Some(value) = field {
+            let len = stored_len(value);
+            if len > limit {
+                truncate_stored(value, limit);
+                cut.push(format!("{name} ({len} bytes)"));
+            }
+        }
+    }
+    if let Some(len) = e.traceparent.as_deref().map(stored_len)
+        && len > limits.traceparent
+    {
+        e.traceparent = None;
+        cut.push(format!("{TRACEPARENT_HEADER} ({len} bytes, dropped)"));
+    }
+    let headers_len = json_len(&e.headers);
+    if headers_len > limits.headers {
+        let original_id = e.headers.remove(ORIGINAL_MESSAGE_ID);
+        e.headers = Map::new();
+        e.headers.insert(
+            HEADERS_OMITTED.into(),
+            serde_json::json!({ "bytes": headers_len }),
+        );
+        if let Some(id) = original_id {
+            e.headers.insert(ORIGINAL_MESSAGE_ID.into(), id);
+        }
+        cut.push(format!("the headers ({headers_len} bytes, omitted)"));
+    }
+    if !cut.is_empty() {
+        invalid.detail = format!(
+            "{}; over the limit, so shortened in the inbox row: {}",
+            invalid.detail,
+            cut.join(", ")
+        );
+    }
+}
+
+/// Bytes `text` takes once stored: U+0000 becomes the 3 bytes of U+FFFD.
+fn stored_len(text: &str) -> usize {
+    text.len() + 2 * text.bytes().filter(|&b| b == 0).count()
+}
+
+/// Cuts `text` at a char boundary to at most `limit` stored bytes.
+fn truncate_stored(text: &mut String, limit: usize) {
+    let mut used = 0;
+    let mut end = 0;
+    for (i, c) in text.char_indices() {
+        used += if c == '\0' { 3 } else { c.len_utf8() };
+        if used > limit {
+            break;
+        }
+        end = i + c.len_utf8();
+    }
+    text.truncate(end);
+}
+
+/// Length of `headers` written as compact JSON (as `serde_json` writes it), counted without
+/// recursion: a producer nests header tables as deep as the frame size allows.
+fn json_len(headers: &Map<String, Value>) -> usize {
+    let mut len = object_len(headers);
+    let mut pending: Vec<&Value> = headers.values().collect();
+    while let Some(value) = pending.pop() {
+        len += match value {
+            Value::Null | Value::Bool(true) => 4,
+            Value::Bool(false) => 5,
+            Value::Number(n) => {
+                let mut counter = ByteCounter(0);
+                let _ = std::fmt::Write::write_fmt(&mut counter, format_args!("{n}"));
+                counter.0
+            }
+            Value::String(s) => string_len(s),
+            Value::Array(items) => {
+                pending.extend(items);
+                2 + items.len().saturating_sub(1)
+            }
+            Value::Object(map) => {
+                pending.extend(map.values());
+                object_len(map)
+            }
+        };
+    }
+    len
+}
+
+/// Braces, commas, names and colons of an object, without its values.
+fn object_len(map: &Map<String, Value>) -> usize {
+    2 + map.len().saturating_sub(1) + map.keys().map(|k| string_len(k) + 1).sum::<usize>()
+}
+
+/// A JSON string's length with quotes and escapes.
+fn string_len(s: &str) -> usize {
+    2 + s
+        .chars()
+        .map(|c| match c {
+            '"' | '\\' | '\u{8}' | '\u{c}' | '\n' | '\r' | '\t' => 2,
+            c if c < ' ' => 6,
+            c => c.len_utf8(),
+        })
+        .sum::<usize>()
+}
+
+/// Counts formatted bytes without keeping them.
+struct ByteCounter(usize);
+
+impl std::fmt::Write for ByteCounter {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.0 += s.len();
+        Ok(())
+    }
 }
 
 fn message_type(msg: &AmqpMessage) -> String {
@@ -397,6 +713,223 @@ mod tests {
             assert_eq!(first.envelope.message_id, again.envelope.message_id);
             assert!(first.envelope.message_id.len() <= crate::dedup::MAX_KEY_LEN);
         }
+    }
+
+    /// `m` with one more header.
+    fn with_header(mut m: AmqpMessage, name: &str, value: Value) -> AmqpMessage {
+        m.headers.insert(name.into(), value);
+        m
+    }
+
+    #[test]
+    fn oversized_fields_are_refused_under_their_own_key() {
+        let rules = EnvelopeRules::default();
+        let long = "x".repeat(4096);
+        let base = msg(Some("m-1"), json!({}), b"{}");
+        let mut typed = with_header(base.clone(), TYPE_HEADER, json!(long));
+        typed.kind = None;
+        let mut correlated = base.clone();
+        correlated.correlation_id = Some(long.clone());
+        let cases = [
+            (
+                with_header(base.clone(), AGGREGATE_ID_HEADER, json!(long)),
+                AGGREGATE_ID_HEADER,
+            ),
+            (
+                with_header(base.clone(), AGGREGATE_TYPE_HEADER, json!(long)),
+                AGGREGATE_TYPE_HEADER,
+            ),
+            (
+                with_header(base.clone(), CAUSATION_HEADER, json!(long)),
+                CAUSATION_HEADER,
+            ),
+            (
+                with_header(base.clone(), TENANT_HEADER, json!(long)),
+                TENANT_HEADER,
+            ),
+            (
+                with_header(base.clone(), TRACEPARENT_HEADER, json!(long)),
+                TRACEPARENT_HEADER,
+            ),
+            (typed, MESSAGE_TYPE_FIELD),
+            (correlated, CORRELATION_FIELD),
+        ];
+        for (m, field) in cases {
+            let invalid = parse(m, &rules).expect_err(field);
+            assert_eq!(invalid.reason, InvalidReason::FieldTooLong, "{field}");
+            assert_eq!(invalid.reason.code(), "field_too_long");
+            assert_eq!(
+                invalid.envelope.message_id, "m-1",
+                "{field}: the key is kept"
+            );
+            assert!(
+                invalid
+                    .detail
+                    .starts_with(&format!("{field} is 4096 bytes, the limit is ")),
+                "{}",
+                invalid.detail
+            );
+            let e = &invalid.envelope;
+            assert!(e.message_type.len() <= 255);
+            for stored in [&e.aggregate_type, &e.aggregate_id, &e.correlation_id]
+                .into_iter()
+                .chain([&e.causation_id, &e.tenant_id])
+            {
+                assert!(stored.as_ref().is_none_or(|v| v.len() <= 255), "{field}");
+            }
+            assert_eq!(
+                e.traceparent, None,
+                "{field}: a long traceparent is dropped"
+            );
+        }
+        // Within the limits.
+        let m = with_header(base.clone(), AGGREGATE_ID_HEADER, json!("x".repeat(255)));
+        assert!(parse(m, &rules).is_ok());
+        let trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let m = with_header(base, TRACEPARENT_HEADER, json!(trace));
+        assert_eq!(
+            parse(m, &rules).expect("valid").traceparent.as_deref(),
+            Some(trace)
+        );
+    }
+
+    #[test]
+    fn oversized_fields_are_cut_at_char_boundaries_and_nul_counts_as_stored() {
+        let rules = EnvelopeRules::default();
+        let base = msg(Some("m-1"), json!({}), b"{}");
+        let m = with_header(
+            base.clone(),
+            AGGREGATE_ID_HEADER,
+            json!("\u{e9}".repeat(200)),
+        );
+        let invalid = parse(m, &rules).expect_err("400 bytes");
+        let cut = invalid.envelope.aggregate_id.expect("kept, shortened");
+        assert_eq!(cut, "\u{e9}".repeat(127));
+        assert!(
+            invalid.detail.contains("x-aggregate-id (400 bytes)"),
+            "{}",
+            invalid.detail
+        );
+
+        // 100 NULs are stored as 300 bytes of U+FFFD.
+        let m = with_header(base.clone(), TENANT_HEADER, json!("\0".repeat(100)));
+        let invalid = parse(m, &rules).expect_err("300 bytes as stored");
+        assert_eq!(invalid.reason, InvalidReason::FieldTooLong);
+        assert_eq!(
+            invalid.envelope.tenant_id.as_deref(),
+            Some(&"\0".repeat(85)[..])
+        );
+        let m = with_header(base, TENANT_HEADER, json!("\0".repeat(85)));
+        assert!(parse(m, &rules).is_ok());
+    }
+
+    #[test]
+    fn limits_are_configurable() {
+        let mut rules = EnvelopeRules::default();
+        rules.field_limits.aggregate_id = 8;
+        let m = msg(Some("m"), json!({AGGREGATE_ID_HEADER: "order-123"}), b"{}");
+        let invalid = parse(m.clone(), &rules).expect_err("9 bytes");
+        assert_eq!(invalid.envelope.aggregate_id.as_deref(), Some("order-12"));
+        rules.field_limits.aggregate_id = 9;
+        assert!(parse(m, &rules).is_ok());
+    }
+
+    #[test]
+    fn oversized_headers_are_refused_and_not_stored() {
+        let rules = EnvelopeRules::default();
+        let headers: Map<String, Value> = (0..40)
+            .map(|i| (format!("x-big-{i}"), json!("y".repeat(2000))))
+            .collect();
+        let mut m = msg(Some("m-1"), json!({}), b"{}");
+        m.headers = headers;
+        let invalid = parse(m.clone(), &rules).expect_err("80 KB of headers");
+        assert_eq!(invalid.reason, InvalidReason::HeadersTooLarge);
+        assert_eq!(invalid.reason.code(), "headers_too_large");
+        assert_eq!(invalid.envelope.message_id, "m-1");
+        let size = serde_json::to_vec(&m.headers).expect("serializable").len();
+        assert!(
+            invalid.detail.contains(&format!("{size} bytes")),
+            "{}",
+            invalid.detail
+        );
+        assert_eq!(
+            Value::Object(invalid.envelope.headers),
+            json!({ HEADERS_OMITTED: { "bytes": size } })
+        );
+        // An invalid message of any reason is cut down too; a refused id is kept.
+        m.message_id = Some(" ".into());
+        let invalid = parse(m, &rules).expect_err("blank id");
+        assert_eq!(invalid.reason, InvalidReason::MalformedMessageId);
+        assert!(invalid.envelope.headers.contains_key(HEADERS_OMITTED));
+        assert_eq!(invalid.envelope.headers[ORIGINAL_MESSAGE_ID], " ");
+    }
+
+    #[test]
+    fn invalid_messages_of_other_reasons_are_made_storable() {
+        let rules = EnvelopeRules::default();
+        let m = msg(None, json!({AGGREGATE_ID_HEADER: "a".repeat(4096)}), b"{}");
+        let invalid = parse(m, &rules).expect_err("no id");
+        assert_eq!(invalid.reason, InvalidReason::MissingMessageId);
+        assert!(invalid.envelope.message_id.starts_with("invalid:"));
+        assert_eq!(
+            invalid.envelope.aggregate_id.as_deref().map(str::len),
+            Some(255)
+        );
+        assert!(
+            invalid.detail.contains("x-aggregate-id (4096 bytes)"),
+            "{}",
+            invalid.detail
+        );
+    }
+
+    #[test]
+    fn header_length_is_the_compact_json_length() {
+        let headers = json!({
+            "a": null, "b": true, "c": false, "d": 12, "e": -3.5, "f": 1e300,
+            "g": "quote\" back\\ nl\n tab\t ctl\u{1} \u{e9}\u{1F600}",
+            "h": [], "i": {}, "j": [1, [2, {"k": "v"}]], "\u{7f}name\"": "x"
+        });
+        let map = headers.as_object().expect("object");
+        let want = serde_json::to_vec(map).expect("serializable").len();
+        assert_eq!(json_len(map), want);
+        assert_eq!(json_len(&Map::new()), 2);
+    }
+
+    #[test]
+    fn json_bodies_hash_canonically_by_default() {
+        let rules = EnvelopeRules::default();
+        let hash = |body: &[u8]| parse(msg(Some("m"), json!({}), body), &rules).expect("valid");
+        let a = hash(br#"{"a":1,"b":[1.0,"\u00e9"]}"#);
+        let b = hash(b"{ \"b\" : [ 1 , \"\xc3\xa9\" ] ,\n \"a\" : 1e0 }");
+        assert_eq!(a.payload_sha256, b.payload_sha256);
+        assert_ne!(a.raw_body_sha256(), b.raw_body_sha256());
+        let canonical: [u8; 32] = Sha256::digest(b"{\"a\":1,\"b\":[1,\"\xc3\xa9\"]}").into();
+        assert_eq!(a.payload_sha256, canonical);
+        assert_ne!(
+            a.payload_sha256,
+            hash(br#"{"a":2,"b":[1,"\u00e9"]}"#).payload_sha256
+        );
+
+        // Raw bytes on request, and for bodies that are not JSON or too large to parse.
+        let raw_rules = EnvelopeRules {
+            body_hash: BodyHash::RawBytes,
+            ..EnvelopeRules::default()
+        };
+        let raw =
+            parse(msg(Some("m"), json!({}), br#"{"b":1, "a":1}"#), &raw_rules).expect("valid");
+        assert_eq!(raw.payload_sha256, raw.raw_body_sha256());
+        let not_json = parse(msg(Some("m"), json!({}), b"{nope"), &rules).expect_err("invalid");
+        assert_eq!(
+            not_json.envelope.payload_sha256,
+            not_json.envelope.raw_body_sha256()
+        );
+        let small = EnvelopeRules {
+            max_payload_bytes: 4,
+            ..EnvelopeRules::default()
+        };
+        let big = parse(msg(Some("m"), json!({}), br#"{"a": 1}"#), &small).expect_err("large");
+        assert_eq!(big.reason, InvalidReason::PayloadTooLarge);
+        assert_eq!(big.envelope.payload_sha256, big.envelope.raw_body_sha256());
     }
 
     #[test]

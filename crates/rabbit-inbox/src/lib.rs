@@ -35,6 +35,7 @@
 //! ```
 
 mod broker;
+mod canonical_json;
 mod config;
 mod consumer;
 mod db_error;
@@ -52,13 +53,14 @@ mod store;
 #[doc(hidden)]
 pub use broker::headers_to_json;
 pub use broker::{Broker, OutgoingMessage, QueueDepths, parking_headers};
+pub use canonical_json::canonical_json;
 pub use config::{ConsumerConfig, PayloadStorage, QueueType, RetryPolicy, Topology};
 pub use consumer::{Consumer, shutdown_signal};
 pub use dedup::{DedupStrategy, MAX_KEY_LEN};
 pub use envelope::{
-    AGGREGATE_ID_HEADER, AGGREGATE_TYPE_HEADER, AmqpMessage, CAUSATION_HEADER, Envelope,
-    EnvelopeRules, InvalidMessage, InvalidReason, TENANT_HEADER, TRACEPARENT_HEADER, TYPE_HEADER,
-    VERSION_HEADER, parse,
+    AGGREGATE_ID_HEADER, AGGREGATE_TYPE_HEADER, AmqpMessage, BodyHash, CAUSATION_HEADER, Envelope,
+    EnvelopeRules, FieldLimits, InvalidMessage, InvalidReason, TENANT_HEADER, TRACEPARENT_HEADER,
+    TYPE_HEADER, VERSION_HEADER, parse,
 };
 pub use error::{BrokerError, ConfigError, ConsumerError, StoreError};
 #[cfg(feature = "fault-injection")]

@@ -849,7 +849,7 @@ fn parked_again(record: &InboxRecord) -> Outcome {
 /// bytes (recorded before bodies were hashed in canonical form, or by a consumer configured
 /// so), so both count.
 fn same_body(recorded: &[u8], envelope: &Envelope) -> bool {
-    recorded == envelope.payload_sha256 || recorded == Sha256::digest(&envelope.body).as_slice()
+    recorded == envelope.payload_sha256 || recorded == envelope.raw_body_sha256()
 }
 
 /// The envelope as a minimal ledger row: key, type (bounded), version and body hash; none of

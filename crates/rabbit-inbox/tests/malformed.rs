@@ -289,6 +289,7 @@ fn rules(dedup: DedupStrategy) -> EnvelopeRules {
         dedup,
         max_payload_bytes: MAX_PAYLOAD,
         supported_versions: 1..=1,
+        ..EnvelopeRules::default()
     }
 }
 
