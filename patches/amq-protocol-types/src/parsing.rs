@@ -10,8 +10,52 @@ use nom::{
     },
     sequence::pair,
 };
-use std::{error, fmt};
+use std::{cell::Cell, error, fmt};
 use traits::*;
+
+/// Most field tables and field arrays that are parsed nested in one another, the outermost
+/// included. A table or array that would be nested deeper is skipped by its length prefix and
+/// replaced by [`NESTED_TOO_DEEP`], so that parsing (and everything that later walks, clones,
+/// drops or encodes the value) uses a bounded stack whatever the peer sends.
+pub const MAX_NESTING_DEPTH: usize = 64;
+
+/// Stands in for a field table or field array nested deeper than [`MAX_NESTING_DEPTH`], as an
+/// `AMQPValue::ShortString`: no wire type decodes to a short-string value, so a peer cannot
+/// forge it. Encoding it back is not valid AMQP; replace it before republishing.
+pub const NESTED_TOO_DEEP: &str = "amq-protocol-types: value nested too deep, omitted";
+
+thread_local! {
+    /// Field tables and arrays being parsed on this thread right now.
+    static NESTING: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Counts one field table or array as being parsed, until dropped.
+struct Nesting;
+
+impl Nesting {
+    fn enter() -> Self {
+        NESTING.with(|n| n.set(n.get() + 1));
+        Self
+    }
+
+    fn full() -> bool {
+        NESTING.with(Cell::get) >= MAX_NESTING_DEPTH
+    }
+}
+
+impl Drop for Nesting {
+    fn drop(&mut self) {
+        NESTING.with(|n| n.set(n.get().saturating_sub(1)));
+    }
+}
+
+/// A field table or array nested too deep: its bytes skipped, the marker in its place.
+fn parse_too_deep<I: ParsableInput>(i: I) -> ParserResult<I, AMQPValue> {
+    map(flat_map(parse_long_uint, take), |_| {
+        AMQPValue::ShortString(NESTED_TOO_DEEP.into())
+    })
+    .parse(i)
+}
 
 /// Error context for `ParserErrors`
 #[derive(Clone, Debug, Eq, PartialEq)]
@@ -106,6 +150,7 @@ pub fn parse_raw_value<I: ParsableInput>(
     amqp_type: AMQPType,
 ) -> impl Parser<I, Output = AMQPValue, Error = ParserErrors> {
     context("parse_raw_value", move |i| match amqp_type {
+        AMQPType::FieldArray | AMQPType::FieldTable if Nesting::full() => parse_too_deep(i),
         AMQPType::Boolean => map(parse_boolean, AMQPValue::Boolean).parse(i),
         AMQPType::ShortShortInt => map(parse_short_short_int, AMQPValue::ShortShortInt).parse(i),
         AMQPType::ShortShortUInt => map(parse_short_short_uint, AMQPValue::ShortShortUInt).parse(i),
@@ -244,6 +289,7 @@ pub fn parse_long_string<I: ParsableInput>(i: I) -> ParserResult<I, LongString> 
 
 /// Parse a [FieldArray](../type.FieldArray.html)
 pub fn parse_field_array<I: ParsableInput>(i: I) -> ParserResult<I, FieldArray> {
+    let _nesting = Nesting::enter();
     context(
         "parse_field_array",
         map_parser(
@@ -268,6 +314,7 @@ pub fn parse_timestamp<I: ParsableInput>(i: I) -> ParserResult<I, Timestamp> {
 
 /// Parse a [FieldTable](../type.FieldTable.html)
 pub fn parse_field_table<I: ParsableInput>(i: I) -> ParserResult<I, FieldTable> {
+    let _nesting = Nesting::enter();
     context(
         "parse_field_table",
         map_parser(
@@ -589,5 +636,73 @@ mod test {
             parse_flags(&[0b11011101, 0b00000010][..], &names),
             Ok((EMPTY, flags))
         );
+    }
+
+    /// `depth` field arrays nested in one another (or tables, each with an empty key), innermost
+    /// a void, as the body of a headers table entry `d`.
+    fn nested(depth: usize, table: bool) -> Vec<u8> {
+        let mut value = vec![b'V'];
+        for _ in 0..depth {
+            let mut outer = if table { vec![b'F'] } else { vec![b'A'] };
+            let len = value.len() + usize::from(table);
+            outer.extend_from_slice(&(len as u32).to_be_bytes());
+            if table {
+                outer.push(0);
+            }
+            outer.extend_from_slice(&value);
+            value = outer;
+        }
+        let mut headers = ((value.len() + 2) as u32).to_be_bytes().to_vec();
+        headers.extend_from_slice(&[1, b'd']);
+        headers.extend_from_slice(&value);
+        headers
+    }
+
+    /// Levels of tables and arrays in `table` (itself included), and whether the marker ends it.
+    fn depth(table: &FieldTable) -> (usize, bool) {
+        let mut levels = 1;
+        let mut value = table.inner().values().next();
+        while let Some(v) = value {
+            value = match v {
+                AMQPValue::FieldArray(a) => a.as_slice().first(),
+                AMQPValue::FieldTable(t) => t.inner().values().next(),
+                AMQPValue::ShortString(s) => return (levels, s.as_str() == NESTED_TOO_DEEP),
+                _ => return (levels, false),
+            };
+            levels += 1;
+        }
+        (levels, false)
+    }
+
+    #[test]
+    fn test_parse_nesting_within_the_limit_is_kept() {
+        for table in [false, true] {
+            let bytes = nested(MAX_NESTING_DEPTH - 1, table);
+            let (rest, parsed) = parse_field_table(&bytes[..]).expect("parses");
+            assert!(rest.is_empty());
+            assert_eq!(depth(&parsed), (MAX_NESTING_DEPTH, false));
+        }
+    }
+
+    #[test]
+    fn test_parse_nesting_past_the_limit_becomes_the_marker_on_a_small_stack() {
+        // A frame of 128 KiB holds about 26,000 nested arrays; parsed recursively they need
+        // some 50 MiB of stack in a release build, 300 MiB in a debug one. Bounded, they fit in
+        // half of the 2 MiB a thread gets by default, even unoptimised.
+        let handle = std::thread::Builder::new()
+            .stack_size(1024 * 1024)
+            .spawn(|| {
+                for table in [false, true] {
+                    let bytes = nested(30_000, table);
+                    let (rest, parsed) = parse_field_table(&bytes[..]).expect("parses");
+                    assert!(rest.is_empty());
+                    assert_eq!(depth(&parsed), (MAX_NESTING_DEPTH, true));
+                    // The counter is back to zero: a shallow value parses in full again.
+                    let (_, again) = parse_field_table(&nested(3, table)[..]).expect("parses");
+                    assert_eq!(depth(&again), (4, false));
+                }
+            })
+            .expect("thread");
+        handle.join().expect("no overflow");
     }
 }
