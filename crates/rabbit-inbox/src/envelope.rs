@@ -40,6 +40,9 @@ pub struct AmqpMessage {
     pub correlation_id: Option<String>,
     /// Application headers, converted to JSON.
     pub headers: Map<String, Value>,
+    /// Why `headers` are incomplete: a value nested deeper than [`crate::MAX_HEADER_DEPTH`]
+    /// was replaced by [`crate::HEADER_TOO_DEEP`]. Such a message is invalid.
+    pub headers_truncated: Option<String>,
     /// The raw body.
     pub body: Vec<u8>,
     /// The broker's redelivered flag.
@@ -127,6 +130,8 @@ pub enum InvalidReason {
     MalformedVersion,
     /// The version is outside the supported range.
     UnsupportedVersion,
+    /// A header nests field tables or arrays deeper than [`crate::MAX_HEADER_DEPTH`].
+    HeadersTooDeep,
 }
 
 impl InvalidReason {
@@ -140,6 +145,7 @@ impl InvalidReason {
             InvalidReason::InvalidJson => "invalid_json",
             InvalidReason::MalformedVersion => "malformed_version",
             InvalidReason::UnsupportedVersion => "unsupported_version",
+            InvalidReason::HeadersTooDeep => "headers_too_deep",
         }
     }
 }
@@ -205,6 +211,15 @@ pub fn parse(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<In
             rules.max_payload_bytes
         );
         return Err(invalid(envelope, InvalidReason::PayloadTooLarge, detail));
+    }
+
+    // Incomplete headers: nothing read from them (key, version, aggregate) can be trusted.
+    if let Some(detail) = &msg.headers_truncated {
+        return Err(invalid(
+            envelope,
+            InvalidReason::HeadersTooDeep,
+            detail.clone(),
+        ));
     }
 
     let payload: Option<Value> = serde_json::from_slice(&envelope.body).ok();

@@ -48,9 +48,9 @@ mod schema;
 mod stats;
 mod store;
 
-#[doc(hidden)]
-pub use broker::headers_to_json;
 pub use broker::{Broker, OutgoingMessage, QueueDepths, parking_headers};
+#[doc(hidden)]
+pub use broker::{HEADER_TOO_DEEP, MAX_HEADER_DEPTH, convert_headers, headers_to_json};
 pub use config::{ConsumerConfig, PayloadStorage, QueueType, RetryPolicy, Topology};
 pub use consumer::{Consumer, shutdown_signal};
 pub use dedup::{DedupStrategy, MAX_KEY_LEN};

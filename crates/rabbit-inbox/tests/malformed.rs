@@ -300,6 +300,7 @@ fn delivered(m: &OutgoingMessage) -> AmqpMessage {
         content_type: Some("application/json".into()),
         correlation_id: m.correlation_id.clone(),
         headers: m.headers.clone(),
+        headers_truncated: None,
         body: m.body.clone(),
         redelivered: false,
     }

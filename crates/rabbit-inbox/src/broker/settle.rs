@@ -250,7 +250,13 @@ fn parked_properties(
     code: &str,
     message: &str,
 ) -> BasicProperties {
-    let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+    // Not a plain clone: a value nested too deep is a marker that cannot be encoded as is.
+    let mut headers = delivery
+        .properties
+        .headers()
+        .as_ref()
+        .map(super::headers::republishable)
+        .unwrap_or_default();
     let parked_at = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
