@@ -5,7 +5,7 @@
 use arbitrary::Arbitrary;
 use lapin::types::{AMQPValue, DecimalValue, FieldArray, FieldTable, LongString, ShortString};
 use libfuzzer_sys::fuzz_target;
-use rabbit_inbox::{AmqpMessage, headers_to_json};
+use rabbit_inbox::{AmqpMessage, HEADER_TOO_DEEP, MAX_HEADER_DEPTH, convert_headers};
 use rabbit_inbox_fuzz::{Body, Name, check, rule_sets};
 use serde_json::Value;
 
@@ -78,8 +78,20 @@ fn to_table(entries: &[(Name, Field)]) -> FieldTable {
     table
 }
 
-/// What each AMQP value must become in JSON.
-fn check_value(amqp: &AMQPValue, json: &Value) {
+/// What each AMQP value must become in JSON; `level` is the nesting level it has if it is a
+/// table or array (the headers table is 1). Returns whether a value was too deep to convert.
+fn check_value(amqp: &AMQPValue, json: &Value, level: usize) -> bool {
+    if matches!(amqp, AMQPValue::FieldArray(_) | AMQPValue::FieldTable(_))
+        && level > MAX_HEADER_DEPTH
+    {
+        assert_eq!(
+            json.as_str(),
+            Some(HEADER_TOO_DEEP),
+            "the marker past the bound"
+        );
+        return true;
+    }
+    let mut cut = false;
     match amqp {
         AMQPValue::Boolean(b) => assert_eq!(json, &Value::Bool(*b)),
         AMQPValue::ShortShortInt(n) => assert_eq!(json.as_i64(), Some(i64::from(*n))),
@@ -107,22 +119,26 @@ fn check_value(amqp: &AMQPValue, json: &Value) {
             let items = json.as_array().expect("an array stays an array");
             assert_eq!(items.len(), a.as_slice().len());
             for (x, j) in a.as_slice().iter().zip(items) {
-                check_value(x, j);
+                cut |= check_value(x, j, level + 1);
             }
         }
         AMQPValue::FieldTable(t) => {
             let map = json.as_object().expect("a table stays an object");
-            check_table(t, map);
+            cut |= check_table(t, map, level);
         }
         AMQPValue::Void => assert!(json.is_null()),
     }
+    cut
 }
 
-fn check_table(table: &FieldTable, map: &serde_json::Map<String, Value>) {
+/// `table`, at nesting level `level`, against its JSON; whether a value was too deep.
+fn check_table(table: &FieldTable, map: &serde_json::Map<String, Value>, level: usize) -> bool {
     assert_eq!(map.len(), table.inner().len(), "no header lost or added");
+    let mut cut = false;
     for (k, v) in table.inner() {
-        check_value(v, &map[k.as_str()]);
+        cut |= check_value(v, &map[k.as_str()], level + 1);
     }
+    cut
 }
 
 #[derive(Debug, Arbitrary)]
@@ -135,11 +151,12 @@ struct Input {
 
 fuzz_target!(|input: Input| {
     let table = to_table(&input.headers);
-    let headers = headers_to_json(&table);
-    check_table(&table, &headers);
+    let (headers, headers_truncated) = convert_headers(&table);
+    let cut = check_table(&table, &headers, 1);
+    assert_eq!(cut, headers_truncated.is_some(), "flagged exactly when cut");
     assert_eq!(
-        headers,
-        headers_to_json(&table),
+        (headers.clone(), headers_truncated.clone()),
+        convert_headers(&table),
         "the conversion is deterministic"
     );
     let msg = AmqpMessage {
@@ -148,6 +165,7 @@ fuzz_target!(|input: Input| {
         content_type: Some("application/json".into()),
         correlation_id: None,
         headers,
+        headers_truncated,
         body: input.body.to_bytes(),
         redelivered: false,
     };

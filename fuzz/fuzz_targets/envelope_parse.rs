@@ -28,6 +28,7 @@ fuzz_target!(|input: Input| {
         content_type: input.content_type.map(|c| c.0),
         correlation_id: input.correlation_id,
         headers: to_map(&input.headers),
+        headers_truncated: None,
         body: input.body.to_bytes(),
         redelivered: input.redelivered,
     };

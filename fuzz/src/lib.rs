@@ -301,6 +301,7 @@ pub fn check(msg: &AmqpMessage, rules: &EnvelopeRules) {
                     | InvalidReason::MessageIdTooLong
                     | InvalidReason::MalformedMessageId
                     | InvalidReason::PayloadTooLarge
+                    | InvalidReason::HeadersTooDeep
             );
             if synthetic {
                 assert!(

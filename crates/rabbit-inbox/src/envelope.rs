@@ -45,6 +45,9 @@ pub struct AmqpMessage {
     pub correlation_id: Option<String>,
     /// Application headers, converted to JSON.
     pub headers: Map<String, Value>,
+    /// Why `headers` are incomplete: a value nested deeper than [`crate::MAX_HEADER_DEPTH`]
+    /// was replaced by [`crate::HEADER_TOO_DEEP`]. Such a message is invalid.
+    pub headers_truncated: Option<String>,
     /// The raw body.
     pub body: Vec<u8>,
     /// The broker's redelivered flag.
@@ -212,6 +215,8 @@ pub enum InvalidReason {
     FieldTooLong,
     /// The headers as JSON are larger than [`FieldLimits::headers`].
     HeadersTooLarge,
+    /// A header nests field tables or arrays deeper than [`crate::MAX_HEADER_DEPTH`].
+    HeadersTooDeep,
 }
 
 impl InvalidReason {
@@ -227,6 +232,7 @@ impl InvalidReason {
             InvalidReason::UnsupportedVersion => "unsupported_version",
             InvalidReason::FieldTooLong => "field_too_long",
             InvalidReason::HeadersTooLarge => "headers_too_large",
+            InvalidReason::HeadersTooDeep => "headers_too_deep",
         }
     }
 }
@@ -307,6 +313,15 @@ fn classify(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<Inv
             rules.max_payload_bytes
         );
         return Err(invalid(envelope, InvalidReason::PayloadTooLarge, detail));
+    }
+
+    // Incomplete headers: nothing read from them (key, version, aggregate) can be trusted.
+    if let Some(detail) = &msg.headers_truncated {
+        return Err(invalid(
+            envelope,
+            InvalidReason::HeadersTooDeep,
+            detail.clone(),
+        ));
     }
 
     let key = rules.dedup.extract(

@@ -50,9 +50,10 @@ mod schema;
 mod stats;
 mod store;
 
-#[doc(hidden)]
-pub use broker::headers_to_json;
 pub use broker::{Broker, OutgoingMessage, QueueDepths, parking_headers};
+pub use broker::{HEADER_TOO_DEEP, MAX_HEADER_DEPTH};
+#[doc(hidden)]
+pub use broker::{convert_headers, headers_to_json};
 pub use canonical_json::canonical_json;
 pub use config::{ConsumerConfig, PayloadStorage, QueueType, RetryPolicy, Topology};
 pub use consumer::{Consumer, shutdown_signal};

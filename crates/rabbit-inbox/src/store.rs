@@ -174,23 +174,32 @@ fn storable<'a>(text: impl Into<Cow<'a, str>>) -> Cow<'a, str> {
     }
 }
 
-/// The headers as stored: [`storable`] applied to every name and string value.
+/// The headers as stored: [`storable`] applied to every name and string value, and an array
+/// or object nested deeper than [`crate::MAX_HEADER_DEPTH`] (the headers object included)
+/// replaced by [`crate::HEADER_TOO_DEEP`], so that a hand-built envelope cannot make the
+/// conversion, the JSON encoder or PostgreSQL recurse without bound.
 fn storable_headers(headers: &serde_json::Map<String, serde_json::Value>) -> serde_json::Value {
     use serde_json::{Map, Value};
-    fn map(m: &Map<String, Value>) -> Map<String, Value> {
+    fn map(m: &Map<String, Value>, level: usize) -> Map<String, Value> {
         m.iter()
-            .map(|(k, v)| (storable(k.as_str()).into_owned(), value(v)))
+            .map(|(k, v)| (storable(k.as_str()).into_owned(), value(v, level + 1)))
             .collect()
     }
-    fn value(v: &Value) -> Value {
+    // `level`: the nesting level `v` has if it is an array or object.
+    fn value(v: &Value, level: usize) -> Value {
         match v {
             Value::String(s) => Value::String(storable(s.as_str()).into_owned()),
-            Value::Array(items) => Value::Array(items.iter().map(value).collect()),
-            Value::Object(m) => Value::Object(map(m)),
+            Value::Array(_) | Value::Object(_) if level > crate::MAX_HEADER_DEPTH => {
+                Value::String(crate::HEADER_TOO_DEEP.to_owned())
+            }
+            Value::Array(items) => {
+                Value::Array(items.iter().map(|x| value(x, level + 1)).collect())
+            }
+            Value::Object(m) => Value::Object(map(m, level)),
             other => other.clone(),
         }
     }
-    Value::Object(map(headers))
+    Value::Object(map(headers, 1))
 }
 
 /// The PostgreSQL inbox of one schema.

@@ -35,6 +35,7 @@ fn delivered(m: &OutgoingMessage) -> AmqpMessage {
         headers: m.headers.clone(),
         body: m.body.clone(),
         redelivered: false,
+        headers_truncated: None,
     }
 }
 

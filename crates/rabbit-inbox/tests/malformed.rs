@@ -174,12 +174,13 @@ fn message_id_cases() -> Vec<Case> {
             "deeply nested headers, unknown version",
             msg(
                 Some("nested-v9"),
-                json!({ "x-deep": nested(100), VERSION_HEADER: 9 }),
+                json!({ "x-deep": nested(62), VERSION_HEADER: 9 }),
                 body("nested-v9"),
             ),
             Parked("unsupported_version"),
         ),
-        // Accepted: the inbox does not look inside the payload or limit the headers.
+        // Accepted: the inbox does not look inside the payload or limit the headers, but for
+        // their nesting depth.
         case(
             "JSON array body",
             msg(Some("array-body"), json!({}), b"[1, 2, 3]".to_vec()),
@@ -206,11 +207,13 @@ fn message_id_cases() -> Vec<Case> {
         ),
         case("type header of a number", typed_by_number, Processed("7")),
         case("many headers", many, Processed("Thing")),
+        // 64 levels with the headers table: the most the conversion follows (deeper ones are
+        // in deep_headers.rs).
         case(
             "deeply nested headers",
             msg(
                 Some("nested"),
-                json!({ "x-deep": nested(100) }),
+                json!({ "x-deep": nested(62) }),
                 body("nested"),
             ),
             Processed("Thing"),
@@ -301,6 +304,7 @@ fn delivered(m: &OutgoingMessage) -> AmqpMessage {
         content_type: Some("application/json".into()),
         correlation_id: m.correlation_id.clone(),
         headers: m.headers.clone(),
+        headers_truncated: None,
         body: m.body.clone(),
         redelivered: false,
     }

@@ -1,6 +1,8 @@
 //! AMQP header tables to JSON (for envelopes and the inbox row) and back (for publishing).
 
-use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+use lapin::types::{
+    AMQPValue, FieldArray, FieldTable, LongString, ShortString, parsing::NESTED_TOO_DEEP,
+};
 use serde_json::{Map, Number, Value};
 
 use crate::error::BrokerError;
@@ -9,23 +11,70 @@ pub(super) fn long_string(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
 }
 
-/// AMQP header table to JSON. Byte arrays become hex strings, decimals numbers, timestamps
-/// Unix seconds; strings that are not UTF-8 are converted lossily.
-pub(crate) fn table_to_json(table: &FieldTable) -> Map<String, Value> {
-    table
+/// Most levels of field tables and arrays a header value may nest, the headers table itself
+/// included. The patched frame parser (`patches/amq-protocol-types`) keeps the same bound; it
+/// replaces anything deeper with [`NESTED_TOO_DEEP`] before lapin hands the delivery over.
+pub const MAX_HEADER_DEPTH: usize = 64;
+
+/// What a header value nested deeper than [`MAX_HEADER_DEPTH`] becomes: in the JSON headers of
+/// the envelope and the inbox row, and as a long string in the parked copy.
+pub const HEADER_TOO_DEEP: &str = "[omitted: nested deeper than 64 levels]";
+
+/// AMQP header table to JSON, with the reason the headers are incomplete when a value nested
+/// deeper than [`MAX_HEADER_DEPTH`] was replaced by [`HEADER_TOO_DEEP`]. Byte arrays become hex
+/// strings, decimals numbers, timestamps Unix seconds; strings that are not UTF-8 are converted
+/// lossily. The recursion is bounded by [`MAX_HEADER_DEPTH`].
+pub(crate) fn table_to_json(table: &FieldTable) -> (Map<String, Value>, Option<String>) {
+    let mut too_deep = None;
+    let headers = table
         .inner()
         .iter()
-        .map(|(k, v)| (k.as_str().to_owned(), value_to_json(v)))
-        .collect()
+        .map(|(k, v)| {
+            let mut cut = false;
+            let json = value_to_json(v, 2, &mut cut);
+            if cut && too_deep.is_none() {
+                too_deep = Some(format!(
+                    "header {:?} nests field tables or arrays deeper than {MAX_HEADER_DEPTH} \
+                     levels (the headers table included); the deeper part is omitted",
+                    truncate_chars(k.as_str(), 40)
+                ));
+            }
+            (k.as_str().to_owned(), json)
+        })
+        .collect();
+    (headers, too_deep)
 }
 
-/// The header conversion applied to every delivery, exposed for fuzzing.
+/// The header conversion applied to every delivery, exposed for fuzzing: the JSON headers and
+/// why they are incomplete, if they are (see [`table_to_json`]).
 #[doc(hidden)]
-pub fn headers_to_json(table: &FieldTable) -> Map<String, Value> {
+pub fn convert_headers(table: &FieldTable) -> (Map<String, Value>, Option<String>) {
     table_to_json(table)
 }
 
-fn value_to_json(v: &AMQPValue) -> Value {
+/// The JSON headers of [`convert_headers`] alone.
+#[doc(hidden)]
+pub fn headers_to_json(table: &FieldTable) -> Map<String, Value> {
+    table_to_json(table).0
+}
+
+/// Whether `v` stands for a value nested too deep: the patched parser's marker (a short-string
+/// value, which no wire type decodes to), or a table or array at a level past the bound.
+fn too_deep(v: &AMQPValue, level: usize) -> bool {
+    match v {
+        AMQPValue::ShortString(s) => s.as_str() == NESTED_TOO_DEEP,
+        AMQPValue::FieldArray(_) | AMQPValue::FieldTable(_) => level > MAX_HEADER_DEPTH,
+        _ => false,
+    }
+}
+
+/// `v` as JSON; `level` is the nesting level `v` has if it is a table or array. Sets `cut`
+/// when a value nested too deep was replaced.
+fn value_to_json(v: &AMQPValue, level: usize, cut: &mut bool) -> Value {
+    if too_deep(v, level) {
+        *cut = true;
+        return Value::String(HEADER_TOO_DEEP.to_owned());
+    }
     match v {
         AMQPValue::Boolean(b) => Value::Bool(*b),
         AMQPValue::ShortShortInt(n) => Value::from(*n),
@@ -45,11 +94,54 @@ fn value_to_json(v: &AMQPValue) -> Value {
         AMQPValue::LongString(s) => {
             Value::String(String::from_utf8_lossy(s.as_bytes()).into_owned())
         }
-        AMQPValue::FieldArray(a) => Value::Array(a.as_slice().iter().map(value_to_json).collect()),
+        AMQPValue::FieldArray(a) => Value::Array(
+            a.as_slice()
+                .iter()
+                .map(|x| value_to_json(x, level + 1, cut))
+                .collect(),
+        ),
         AMQPValue::Timestamp(t) => Value::from(*t),
-        AMQPValue::FieldTable(t) => Value::Object(table_to_json(t)),
+        AMQPValue::FieldTable(t) => Value::Object(
+            t.inner()
+                .iter()
+                .map(|(k, x)| (k.as_str().to_owned(), value_to_json(x, level + 1, cut)))
+                .collect(),
+        ),
         AMQPValue::ByteArray(b) => Value::String(hex::encode(b.as_slice())),
         AMQPValue::Void => Value::Null,
+    }
+}
+
+/// A delivery's headers made fit to publish again (for the parked copy): values nested too
+/// deep, and the parser's marker (a short-string value, which is not valid on the wire),
+/// become [`HEADER_TOO_DEEP`] as a long string. Bounded by [`MAX_HEADER_DEPTH`].
+pub(super) fn republishable(table: &FieldTable) -> FieldTable {
+    republishable_table(table, 1)
+}
+
+fn republishable_table(table: &FieldTable, level: usize) -> FieldTable {
+    let mut out = FieldTable::default();
+    for (k, v) in table.inner() {
+        out.insert(k.clone(), republishable_value(v, level + 1));
+    }
+    out
+}
+
+fn republishable_value(v: &AMQPValue, level: usize) -> AMQPValue {
+    if too_deep(v, level) {
+        return long_string(HEADER_TOO_DEEP);
+    }
+    match v {
+        AMQPValue::FieldArray(a) => AMQPValue::FieldArray(FieldArray::from(
+            a.as_slice()
+                .iter()
+                .map(|x| republishable_value(x, level + 1))
+                .collect::<Vec<_>>(),
+        )),
+        AMQPValue::FieldTable(t) => AMQPValue::FieldTable(republishable_table(t, level)),
+        // Has no AMQP type of its own: lapin would encode it as an unknown type.
+        AMQPValue::ShortString(s) => long_string(s.as_str()),
+        other => other.clone(),
     }
 }
 
@@ -108,7 +200,7 @@ mod tests {
         let map = headers.as_object().cloned().unwrap_or_default();
         assert_eq!(
             table_to_json(&json_to_table(&map).expect("short names")),
-            map
+            (map, None)
         );
     }
 
@@ -130,9 +222,128 @@ mod tests {
             "bad".into(),
             AMQPValue::LongString(LongString::from(vec![0xff, b'a'])),
         );
-        let j = table_to_json(&t);
+        let (j, _) = table_to_json(&t);
         assert_eq!(j["bytes"], "dead");
         assert_eq!(j["dec"], 1.5);
         assert_eq!(j["bad"], "\u{fffd}a");
+    }
+
+    /// A headers table whose header `deep` nests tables `levels` deep, the headers table
+    /// included; the innermost holds `end`.
+    fn nested_tables(levels: usize, end: AMQPValue) -> FieldTable {
+        let mut value = end;
+        for _ in 1..levels {
+            let mut t = FieldTable::default();
+            t.insert("k".into(), value);
+            value = AMQPValue::FieldTable(t);
+        }
+        let mut headers = FieldTable::default();
+        headers.insert("deep".into(), value);
+        headers.insert("x-aggregate-id".into(), long_string("o-1"));
+        headers
+    }
+
+    /// Header `deep` as it arrives on the wire: `arrays` field arrays nested in one another.
+    fn wire_nested_arrays(arrays: usize) -> Vec<u8> {
+        let mut value = vec![b'V'];
+        for _ in 0..arrays {
+            let mut outer = vec![b'A'];
+            outer.extend_from_slice(&u32::try_from(value.len()).expect("fits").to_be_bytes());
+            outer.extend_from_slice(&value);
+            value = outer;
+        }
+        let entry = [&[4u8][..], b"deep", &value].concat();
+        [
+            &u32::try_from(entry.len()).expect("fits").to_be_bytes()[..],
+            &entry,
+        ]
+        .concat()
+    }
+
+    /// Levels of objects and arrays down the first entries of `deep` (the headers included),
+    /// and the value found at the bottom.
+    fn json_depth(headers: &Map<String, Value>) -> (usize, Value) {
+        let mut levels = 1;
+        let mut v = &headers["deep"];
+        loop {
+            let next = match v {
+                Value::Array(a) => a.first(),
+                Value::Object(o) => o.values().next(),
+                _ => None,
+            };
+            match next {
+                Some(n) => {
+                    levels += 1;
+                    v = n;
+                }
+                None => {
+                    return (
+                        levels + usize::from(v.is_array() || v.is_object()),
+                        v.clone(),
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn header_nesting_at_the_limit_is_converted_in_full() {
+        let (json, too_deep) = table_to_json(&nested_tables(MAX_HEADER_DEPTH, AMQPValue::Void));
+        assert_eq!(too_deep, None);
+        assert_eq!(json_depth(&json), (MAX_HEADER_DEPTH, Value::Null));
+    }
+
+    #[test]
+    fn header_nested_past_the_limit_becomes_the_marker() {
+        let table = nested_tables(MAX_HEADER_DEPTH + 1, AMQPValue::Void);
+        let (json, too_deep) = table_to_json(&table);
+        let detail = too_deep.expect("flagged as too deep");
+        assert!(
+            detail.contains("\"deep\"") && detail.contains("64"),
+            "{detail}"
+        );
+        assert_eq!(
+            json_depth(&json),
+            (MAX_HEADER_DEPTH, Value::String(HEADER_TOO_DEEP.into()))
+        );
+        assert_eq!(json["x-aggregate-id"], "o-1");
+        assert!(HEADER_TOO_DEEP.contains(&MAX_HEADER_DEPTH.to_string()));
+    }
+
+    #[test]
+    fn wire_headers_nested_as_deep_as_a_frame_allows_become_the_marker() {
+        // 131,072 bytes hold about 26,200 nested arrays; unbounded, their parse alone needs
+        // far more stack than a thread has.
+        let bytes = wire_nested_arrays(26_200);
+        let (rest, table) =
+            lapin::types::parsing::parse_field_table(&bytes[..]).expect("parses, bounded");
+        assert!(rest.is_empty());
+        let (json, too_deep) = table_to_json(&table);
+        assert!(too_deep.is_some());
+        assert_eq!(
+            json_depth(&json),
+            (MAX_HEADER_DEPTH, Value::String(HEADER_TOO_DEEP.into()))
+        );
+
+        // The parked copy's headers: the marker as a long string, nothing deeper, no short
+        // string value (which has no wire type).
+        let parked = republishable(&table);
+        let mut levels = 1;
+        let mut v = parked.inner().get("deep").expect("kept");
+        while let AMQPValue::FieldArray(a) = v {
+            levels += 1;
+            v = a.as_slice().first().expect("one element");
+        }
+        assert_eq!(levels, MAX_HEADER_DEPTH);
+        assert_eq!(v, &long_string(HEADER_TOO_DEEP));
+    }
+
+    #[test]
+    fn republished_headers_carry_no_short_string_values() {
+        let mut table = nested_tables(3, AMQPValue::ShortString("inner".into()));
+        table.insert("s".into(), AMQPValue::ShortString("top".into()));
+        let parked = republishable(&table);
+        assert_eq!(parked.inner()["s"], long_string("top"));
+        assert_eq!(table_to_json(&parked), table_to_json(&table));
     }
 }

@@ -17,7 +17,7 @@ mod session;
 mod settle;
 mod topology;
 
-pub use headers::headers_to_json;
+pub use headers::{HEADER_TOO_DEEP, MAX_HEADER_DEPTH, convert_headers, headers_to_json};
 pub use publish::{Broker, OutgoingMessage, QueueDepths};
 #[cfg(feature = "fault-injection")]
 pub(crate) use session::{ConnectionHandle, drop_connection};

@@ -46,12 +46,14 @@ impl PendingDelivery {
 
 pub(super) fn amqp_message(delivery: &Delivery) -> AmqpMessage {
     let p = &delivery.properties;
+    let (headers, headers_truncated) = p.headers().as_ref().map(table_to_json).unwrap_or_default();
     AmqpMessage {
         message_id: p.message_id().as_ref().map(|s| s.as_str().to_owned()),
         kind: p.kind().as_ref().map(|s| s.as_str().to_owned()),
         content_type: p.content_type().as_ref().map(|s| s.as_str().to_owned()),
         correlation_id: p.correlation_id().as_ref().map(|s| s.as_str().to_owned()),
-        headers: p.headers().as_ref().map(table_to_json).unwrap_or_default(),
+        headers,
+        headers_truncated,
         body: delivery.data.clone(),
         redelivered: delivery.redelivered,
     }

@@ -379,7 +379,12 @@ async fn requeue(pending: &PendingDelivery) -> Result<(), ()> {
 /// routing key are kept in headers too; a header already there (set on an earlier copy) wins.
 fn copy_properties(delivery: &Delivery, extra: FieldTable) -> BasicProperties {
     let p = &delivery.properties;
-    let mut headers = p.headers().clone().unwrap_or_default();
+    // Not a plain clone: a value nested too deep is a marker that cannot be encoded as is.
+    let mut headers = p
+        .headers()
+        .as_ref()
+        .map(super::headers::republishable)
+        .unwrap_or_default();
     let mut keep = |name: &str, value: AMQPValue| {
         if !headers.contains_key(name) {
             headers.insert(name.into(), value);
