@@ -296,13 +296,7 @@ pub(crate) async fn publish_all(
 ) -> anyhow::Result<()> {
     let batch: Vec<(&str, &rabbit_inbox::OutgoingMessage, Option<&str>)> = messages
         .iter()
-        .map(|m| {
-            (
-                m.routing_key.as_str(),
-                &m.message,
-                m.expiration.as_deref(),
-            )
-        })
+        .map(|m| (m.routing_key.as_str(), &m.message, m.expiration.as_deref()))
         .collect();
     broker
         .publish_batch_expiring(exchange, &batch)

@@ -25,7 +25,7 @@ pub(crate) const EXPIRATION_MS: u64 = 20_000;
 /// Hostile inputs the stream (or the run) can carry on top of the ordinary stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub(crate) enum Hostile {
-    /// A header nested [`DEEP_HEADER_LEVELS`] deep: parked as invalid.
+    /// A header nested 20,000 arrays deep (`DEEP_HEADER_LEVELS`): parked as invalid.
     DeepHeaders,
     /// A 5 KB incompressible `x-aggregate-id`, alone and with long causation, tenant,
     /// traceparent and type headers and a 255-byte correlation id: parked with a row.
@@ -40,6 +40,7 @@ pub(crate) enum Hostile {
     SimultaneousStart,
 }
 
+#[cfg(test)]
 impl Hostile {
     pub(crate) const ALL: [Hostile; 5] = [
         Hostile::DeepHeaders,
@@ -292,9 +293,7 @@ impl Scenario {
             let mut not_json = placed;
             not_json.body = b"<order>not json</order>".to_vec();
             let mut unsupported = pay;
-            unsupported
-                .headers
-                .insert(VERSION_HEADER.into(), 9.into());
+            unsupported.headers.insert(VERSION_HEADER.into(), 9.into());
             for m in [not_json, unsupported] {
                 s.expected.conflicts += 1;
                 s.hostile.push(HostileMessage {
@@ -337,7 +336,12 @@ impl Scenario {
     }
 
     /// A hostile message with an inbox key of its own, which must end parked with a row.
-    fn push_hostile(&mut self, kind: Hostile, message: OutgoingMessage, expiration: Option<String>) {
+    fn push_hostile(
+        &mut self,
+        kind: Hostile,
+        message: OutgoingMessage,
+        expiration: Option<String>,
+    ) {
         self.unique_keys += 1;
         self.expected.parked_rows += 1;
         self.hostile.push(HostileMessage {
@@ -420,7 +424,10 @@ mod tests {
         assert_eq!(with_row, 1 + 5 + 3, "deep, oversized, expiring");
         assert_eq!(conflicts, 2);
         assert_eq!(all.unique_keys, plain.unique_keys + with_row);
-        assert_eq!(all.expected.parked_rows, plain.expected.parked_rows + with_row as i64);
+        assert_eq!(
+            all.expected.parked_rows,
+            plain.expected.parked_rows + with_row as i64
+        );
         assert_eq!(all.expected.conflicts, plain.expected.conflicts + 2);
         assert_eq!(all.expected.payments, plain.expected.payments);
         assert_eq!(deepest_header(&all), DEEP_HEADER_LEVELS);
@@ -446,10 +453,16 @@ mod tests {
                 .iter()
                 .find(|m| m.message.message_id.as_deref() == Some(&h.message_id))
                 .expect("published");
-            let id = m.message.headers[AGGREGATE_ID_HEADER].as_str().unwrap_or("");
+            let id = m.message.headers[AGGREGATE_ID_HEADER]
+                .as_str()
+                .unwrap_or("");
             assert!(id.len() >= 4096);
         }
-        let expiring = all.messages.iter().filter(|m| m.expiration.is_some()).count();
+        let expiring = all
+            .messages
+            .iter()
+            .filter(|m| m.expiration.is_some())
+            .count();
         assert_eq!(expiring, 3);
         // The ordinary messages come in the same order, with the same ids and bodies.
         let key = |m: &Published| (m.message.message_id.clone(), m.message.body.clone());

@@ -107,7 +107,10 @@ fn json_to_value(root: &Value) -> Result<AMQPValue, BrokerError> {
             Open::Array(children, _) => children.next(),
             Open::Table(children, _, name) => match children.next() {
                 Some((k, v)) => {
-                    *name = Some(short(&format!("header name {:?}", truncate_chars(k, 40)), k)?);
+                    *name = Some(short(
+                        &format!("header name {:?}", truncate_chars(k, 40)),
+                        k,
+                    )?);
                     Some(v)
                 }
                 None => None,
