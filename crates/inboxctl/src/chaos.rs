@@ -753,13 +753,13 @@ impl ParkingLot {
         for h in &scenario.hostile {
             let id = h.message_id.as_str();
             let (parked, wanted) = if h.conflict {
-                (as_conflict.contains(id), "a payload-conflict copy")
+                (as_conflict.contains(id), "its payload-conflict copy")
             } else {
-                (with_row.contains(id), "a copy with a parked row")
+                (with_row.contains(id), "its copy with a parked row")
             };
             if !parked {
                 check.hostile_missing.push(format!(
-                    "{:?} input {id}: no {wanted} in the parking lot",
+                    "{:?} input {id}: {wanted} missing from the parking lot",
                     h.kind
                 ));
             }

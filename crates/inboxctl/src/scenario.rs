@@ -292,8 +292,14 @@ impl Scenario {
         {
             let mut not_json = placed;
             not_json.body = b"<order>not json</order>".to_vec();
+            // A version-9 body of its own: with the original's exact bytes the copy would be
+            // a plain duplicate by payload hash, whatever its version header says.
             let mut unsupported = pay;
             unsupported.headers.insert(VERSION_HEADER.into(), 9.into());
+            let mut body: serde_json::Map<String, Value> =
+                serde_json::from_slice(&unsupported.body).unwrap_or_default();
+            body.insert("amount_minor_units".into(), 3.into());
+            unsupported.body = Value::Object(body).to_string().into_bytes();
             for m in [not_json, unsupported] {
                 s.expected.conflicts += 1;
                 s.hostile.push(HostileMessage {
