@@ -150,8 +150,10 @@ impl Scenario {
         let mut late = Vec::new();
         let mut paid_orders = Vec::new();
         let mut first_placed = None;
-        // The last fully paid order's OrderPlaced and first payment, for invalid copies.
-        let mut last_paid = None;
+        // An early paid order's OrderPlaced and first payment, for invalid copies: early, so
+        // the valid messages are settled long before their copies arrive at the end (a copy
+        // that arrives first takes the key, and the valid message becomes the conflict).
+        let mut early_paid = None;
 
         if wants(Hostile::Expiration) {
             // First in the stream, so they are parked early and their copies have to outlive
@@ -196,7 +198,10 @@ impl Scenario {
                 }
                 s.expected.payments += 2;
                 paid_orders.push(order_id.clone());
-                last_paid = Some((placed.clone(), pay1.clone()));
+                if paid_orders.len() == 2 {
+                    // The second: the first order's OrderPlaced gets a reused id below.
+                    early_paid = Some((placed.clone(), pay1.clone()));
+                }
                 vec![placed, pay1, pay2]
             };
             for m in batch {
@@ -288,7 +293,7 @@ impl Scenario {
             }
         }
         if wants(Hostile::InvalidCopies)
-            && let Some((placed, pay)) = last_paid
+            && let Some((placed, pay)) = early_paid
         {
             let mut not_json = placed;
             not_json.body = b"<order>not json</order>".to_vec();
@@ -369,6 +374,8 @@ fn random_hex(rng: &mut StdRng, len: usize) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
+
     use super::*;
 
     #[test]
@@ -445,6 +452,17 @@ mod tests {
                 .filter(|m| m.message.message_id.as_deref() == Some(&copy.message_id))
                 .count();
             assert!(same_id >= 2, "{} has a valid original", copy.message_id);
+            let bodies: HashSet<_> = all
+                .messages
+                .iter()
+                .filter(|m| m.message.message_id.as_deref() == Some(&copy.message_id))
+                .map(|m| &m.message.body)
+                .collect();
+            assert_eq!(
+                bodies.len(),
+                2,
+                "the copy's body differs from the original's"
+            );
         }
         // Every oversized message carries the unindexable aggregate id.
         let oversized: Vec<_> = all
