@@ -16,7 +16,10 @@ use rabbit_inbox::{InboxStatus, InboxStore, SchemaName, parking_headers};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use tokio::process::{Child, Command};
 
-use crate::{Servers, clean_slate, connect, publish_all, scenario::Scenario};
+use crate::{
+    Servers, clean_slate, connect, publish_all,
+    scenario::{EXPIRATION_MS, Hostile, Scenario},
+};
 
 /// Messages per order in the generated stream, about (placed, two payments, some duplicates).
 const MESSAGES_PER_ORDER: f64 = 3.3;
@@ -70,6 +73,23 @@ pub(crate) struct ChaosArgs {
     /// Give up waiting for the stream to settle after this many seconds.
     #[arg(long, default_value_t = 900)]
     timeout_secs: u64,
+    /// Hostile inputs to add, comma-separated; `--hostile` without a value adds none.
+    /// `deep-headers` needs an AMQP client that survives the deepest header the broker
+    /// accepts, in this process (it publishes and drains the message) and in the consumers.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        num_args = 0..,
+        default_values = [
+            "deep-headers",
+            "oversized-fields",
+            "expiration",
+            "invalid-copies",
+            "simultaneous-start",
+        ]
+    )]
+    hostile: Vec<Hostile>,
 }
 
 /// A fault, scheduled at a share of the run's progress.
@@ -109,6 +129,14 @@ struct Figures {
     crashes: Vec<String>,
     /// Consumer exits at start-up while a server was down (restarted).
     startup_failures: usize,
+    /// Consumers of the first, simultaneous start that exited before any fault.
+    launch_failures: Vec<String>,
+}
+
+impl Figures {
+    fn faults_run(&self) -> usize {
+        self.kills + self.connection_drops + self.postgres_restarts
+    }
 }
 
 /// One consumer process and where its log goes.
@@ -163,8 +191,13 @@ impl Fleet<'_> {
                     .is_some_and(|t| t.elapsed() < Duration::from_secs(10));
                 let log = self.instances[i].log.display().to_string();
                 // A consumer that cannot reach a server at start-up exits with 2 (the CLI's
-                // error exit); anything else is a crash.
-                if status.code() == Some(2) && early {
+                // error exit); before any fault, with both servers up, no start may fail;
+                // anything else is a crash.
+                if early && figures.faults_run() == 0 {
+                    figures
+                        .launch_failures
+                        .push(format!("{status} (log {log})"));
+                } else if status.code() == Some(2) && early {
                     figures.startup_failures += 1;
                 } else {
                     figures.crashes.push(format!("{status} (log {log})"));
@@ -326,11 +359,12 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
 
     // At least the asked-for count: the number of messages per order varies with the seed.
     let mut orders = ((args.messages as f64 / MESSAGES_PER_ORDER).ceil() as usize).max(1);
-    let mut scenario = Scenario::generate(orders, seed);
+    let mut scenario = Scenario::generate_with(orders, seed, &args.hostile);
     while scenario.messages.len() < args.messages {
         orders += (args.messages - scenario.messages.len()).div_ceil(3);
-        scenario = Scenario::generate(orders, seed);
+        scenario = Scenario::generate_with(orders, seed, &args.hostile);
     }
+    let hostile = |kind: Hostile| args.hostile.contains(&kind);
     let plan = schedule(
         args.kills,
         args.connection_drops,
@@ -341,9 +375,15 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
         "rabbit-inbox chaos: seed {seed}, {} consumers, {} kills, {} connection drops, {} PostgreSQL restarts",
         args.consumers, args.kills, args.connection_drops, args.postgres_restarts
     );
+    let kinds: Vec<String> = args
+        .hostile
+        .iter()
+        .filter_map(|h| clap::ValueEnum::to_possible_value(h).map(|v| v.get_name().to_owned()))
+        .collect();
     println!(
-        "replay with: inboxctl chaos --messages {} --seed {seed}",
-        args.messages
+        "replay with: inboxctl chaos --messages {} --seed {seed} --hostile '{}'",
+        args.messages,
+        kinds.join(",")
     );
     publish_all(&broker, &exchange, &scenario.messages).await?;
     broker.close().await;
@@ -364,12 +404,21 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
         instances: Vec::new(),
         started: 0,
     };
+    if hostile(Hostile::SimultaneousStart) {
+        // A fresh schema: every consumer creates it and runs all migrations as it starts,
+        // at the same moment, as a rolling deploy does.
+        rabbit_inbox::drop_schema(&pool, &schema)
+            .await
+            .context("dropping the schema for the simultaneous start")?;
+    }
+    // All consumers at once, one spawn right after the other.
     let mut started_at = Vec::new();
     for _ in 0..args.consumers {
         let instance = fleet.spawn()?;
         fleet.instances.push(instance);
         started_at.push(Instant::now());
     }
+    let consumers_started = Instant::now();
 
     let mut figures = Figures::default();
     let mut faults_failed = Vec::new();
@@ -439,6 +488,12 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
         }
     };
     let elapsed = began.elapsed();
+    if settled && hostile(Hostile::Expiration) {
+        // Past the TTL of the expiring messages' parked copies, so a copy that kept it has
+        // expired out of the parking lot before the lot is read.
+        let past_ttl = consumers_started + Duration::from_millis(EXPIRATION_MS * 3 / 2);
+        tokio::time::sleep_until(past_ttl.into()).await;
+    }
     let stop_problems = fleet.stop().await;
 
     // The verdict, from the database and the broker, after every consumer has stopped.
@@ -447,7 +502,7 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
     let depths = broker.queue_depths(&topology, &config.retry).await?;
     let parking = ParkingLot::read(&broker, &topology.parking_queue).await?;
     broker.close().await;
-    let parking_check = parking.check(&pool, &schema).await?;
+    let parking_check = parking.check(&pool, &schema, &scenario).await?;
 
     let lost = unique - (v.processed + v.parked);
     let checks = [
@@ -455,6 +510,10 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
         (
             "every fault of the schedule ran",
             faults_failed.is_empty() && next == plan.len(),
+        ),
+        (
+            "every consumer of the simultaneous start started",
+            figures.launch_failures.is_empty(),
         ),
         ("no consumer crashed", figures.crashes.is_empty()),
         (
@@ -490,6 +549,18 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
             "every parked row has its message in the parking lot, with a reason",
             parking_check.parked_rows_with_copy == v.parked && parking_check.without_reason == 0,
         ),
+        (
+            "parked rows as expected",
+            v.parked == scenario.expected.parked_rows,
+        ),
+        (
+            "payload conflicts parked as expected, without a row",
+            parking_check.conflict_keys == scenario.expected.conflicts,
+        ),
+        (
+            "every hostile input parked (with a row, or as a conflict)",
+            parking_check.hostile_missing.is_empty(),
+        ),
     ];
     let ok = checks.iter().all(|(_, pass)| *pass);
 
@@ -514,6 +585,10 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
         figures.connection_drops.to_string(),
     );
     line("PostgreSQL restarts", figures.postgres_restarts.to_string());
+    line("hostile inputs", kinds.join(","));
+    for (kind, codes) in &parking_check.hostile_codes {
+        line(&format!("  {kind} parked as"), codes.clone());
+    }
     line("PROCESSED", v.processed.to_string());
     line("parked (PERMANENT_FAILED / POISONED)", v.parked.to_string());
     line(
@@ -540,9 +615,11 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
     }
     for problem in faults_failed
         .iter()
+        .chain(&figures.launch_failures)
         .chain(&figures.crashes)
         .chain(&stop_problems)
         .chain(&parking_check.problems)
+        .chain(&parking_check.hostile_missing)
     {
         println!("  - {problem}");
     }
@@ -561,9 +638,19 @@ pub(crate) async fn run(servers: &Servers, args: ChaosArgs) -> anyhow::Result<Ex
     }
 }
 
-/// The parking lot's messages: inbox key and recorded reason of each copy.
+/// One message of the parking lot.
+struct ParkedCopy {
+    /// The inbox key it was parked under.
+    key: Option<String>,
+    /// The recorded reason.
+    code: Option<String>,
+    /// Its AMQP message id (the producer's).
+    message_id: Option<String>,
+}
+
+/// The parking lot's messages.
 struct ParkingLot {
-    copies: Vec<(Option<String>, Option<String>)>,
+    copies: Vec<ParkedCopy>,
 }
 
 #[derive(Default)]
@@ -577,6 +664,12 @@ struct ParkingCheck {
     without_reason: i64,
     /// Copies whose key has no inbox row, or one that is neither parked nor PROCESSED.
     unrecorded: i64,
+    /// Distinct keys with a copy parked as a payload conflict.
+    conflict_keys: i64,
+    /// Hostile messages without the parked copy they must have.
+    hostile_missing: Vec<String>,
+    /// Error codes of the hostile messages' parked copies, by kind.
+    hostile_codes: Vec<(String, String)>,
     problems: Vec<String>,
 }
 
@@ -591,10 +684,11 @@ impl ParkingLot {
                     .and_then(|v| v.as_str())
                     .map(str::to_owned)
             };
-            copies.push((
-                text(parking_headers::INBOX_KEY),
-                text(parking_headers::ERROR_CODE),
-            ));
+            copies.push(ParkedCopy {
+                key: text(parking_headers::INBOX_KEY),
+                code: text(parking_headers::ERROR_CODE),
+                message_id: m.message_id.clone(),
+            });
         }
         Ok(Self { copies })
     }
@@ -603,20 +697,41 @@ impl ParkingLot {
         &self,
         pool: &sqlx::PgPool,
         schema: &SchemaName,
+        scenario: &Scenario,
     ) -> anyhow::Result<ParkingCheck> {
         let store = InboxStore::new(schema.clone());
         let mut conn = pool.acquire().await?;
         let mut check = ParkingCheck::default();
         let mut seen = HashSet::new();
-        for (key, code) in &self.copies {
-            let (Some(key), Some(code)) = (key, code) else {
+        let mut conflicts = HashSet::new();
+        // Message ids whose copy is parked with a row, and those parked as a conflict.
+        let mut with_row = HashSet::new();
+        let mut as_conflict = HashSet::new();
+        let mut codes_by_id: std::collections::HashMap<&str, &str> = Default::default();
+        for copy in &self.copies {
+            let (Some(key), Some(code)) = (&copy.key, &copy.code) else {
                 check.without_reason += 1;
                 continue;
             };
+            if code == rabbit_inbox::PAYLOAD_CONFLICT && conflicts.insert(key.clone()) {
+                check.conflict_keys += 1;
+            }
             let record = store
                 .find(&mut conn, order_service::CONSUMER_NAME, key)
                 .await?;
-            match record.map(|r| r.status) {
+            let status = record.map(|r| r.status);
+            if let Some(id) = copy.message_id.as_deref() {
+                codes_by_id.insert(id, code);
+                if code == rabbit_inbox::PAYLOAD_CONFLICT {
+                    as_conflict.insert(id);
+                } else if matches!(
+                    status,
+                    Some(InboxStatus::PermanentFailed | InboxStatus::Poisoned)
+                ) {
+                    with_row.insert(id);
+                }
+            }
+            match status {
                 Some(InboxStatus::Processed) if code != rabbit_inbox::PAYLOAD_CONFLICT => {
                     check.processed_copies += 1;
                     check
@@ -637,6 +752,37 @@ impl ParkingLot {
                 }
             }
         }
+        let mut codes: Vec<(String, std::collections::BTreeSet<&str>)> = Vec::new();
+        for h in &scenario.hostile {
+            let id = h.message_id.as_str();
+            let (parked, wanted) = if h.conflict {
+                (as_conflict.contains(id), "its payload-conflict copy")
+            } else {
+                (with_row.contains(id), "its copy with a parked row")
+            };
+            if !parked {
+                check.hostile_missing.push(format!(
+                    "{:?} input {id}: {wanted} missing from the parking lot",
+                    h.kind
+                ));
+            }
+            let kind = format!("{:?}", h.kind);
+            let code = if h.conflict {
+                rabbit_inbox::PAYLOAD_CONFLICT
+            } else {
+                codes_by_id.get(id).copied().unwrap_or("missing")
+            };
+            match codes.iter_mut().find(|(k, _)| *k == kind) {
+                Some((_, set)) => {
+                    set.insert(code);
+                }
+                None => codes.push((kind, [code].into())),
+            }
+        }
+        check.hostile_codes = codes
+            .into_iter()
+            .map(|(kind, set)| (kind, set.into_iter().collect::<Vec<_>>().join(",")))
+            .collect();
         Ok(check)
     }
 }

@@ -294,12 +294,12 @@ pub(crate) async fn publish_all(
     exchange: &str,
     messages: &[scenario::Published],
 ) -> anyhow::Result<()> {
-    let batch: Vec<(&str, &rabbit_inbox::OutgoingMessage)> = messages
+    let batch: Vec<(&str, &rabbit_inbox::OutgoingMessage, Option<&str>)> = messages
         .iter()
-        .map(|m| (m.routing_key.as_str(), &m.message))
+        .map(|m| (m.routing_key.as_str(), &m.message, m.expiration.as_deref()))
         .collect();
     broker
-        .publish_batch(exchange, &batch)
+        .publish_batch_expiring(exchange, &batch)
         .await
         .with_context(|| format!("publishing to exchange {exchange}"))
 }

@@ -1,15 +1,89 @@
 //! A realistic message stream for the example service: orders with payments, exact and logical
-//! duplicates, payments that arrive before their order, cancellations, and poison messages.
-//! Deterministic for a seed, so a run can be replayed.
+//! duplicates, payments that arrive before their order, cancellations, and poison messages;
+//! optionally hostile inputs (see [`Hostile`]). Deterministic for a seed, so a run can be
+//! replayed.
 
 use order_service::messages::{order_cancelled, order_placed, payment_received, routing_key};
-use rabbit_inbox::{OutgoingMessage, VERSION_HEADER};
+use rabbit_inbox::{
+    AGGREGATE_ID_HEADER, CAUSATION_HEADER, OutgoingMessage, TENANT_HEADER, TRACEPARENT_HEADER,
+    TYPE_HEADER, VERSION_HEADER,
+};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
+use serde_json::Value;
+
+/// Levels of the deep header: arrays nested to about 100 KB, close to the 128 KB frame size
+/// RabbitMQ negotiates by default (a header frame cannot be split, so the frame size bounds the
+/// depth), and far beyond what a recursive parser survives.
+pub(crate) const DEEP_HEADER_LEVELS: usize = 20_000;
+
+/// Bytes of each oversized producer field: past PostgreSQL's B-tree row limit (about 2.7 KB).
+const OVERSIZED_FIELD_BYTES: usize = 5_000;
+
+/// Per-message TTL of the expiring poison messages, in milliseconds.
+pub(crate) const EXPIRATION_MS: u64 = 20_000;
+
+/// Hostile inputs the stream (or the run) can carry on top of the ordinary stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub(crate) enum Hostile {
+    /// A header nested 20,000 arrays deep (`DEEP_HEADER_LEVELS`): parked as invalid.
+    DeepHeaders,
+    /// A 5 KB incompressible `x-aggregate-id`, alone and with long causation, tenant,
+    /// traceparent and type headers and a 255-byte correlation id: parked with a row.
+    OversizedFields,
+    /// Permanently failing messages with a per-message TTL (`expiration`): their parked copies
+    /// must outlive it in the parking lot.
+    Expiration,
+    /// A non-JSON body and an unsupported `x-message-version` under the ids of valid messages:
+    /// parked as payload conflicts, the valid messages' effects and rows unchanged.
+    InvalidCopies,
+    /// Every consumer process starts at the same instant on a fresh schema (no stream input).
+    SimultaneousStart,
+}
+
+#[cfg(test)]
+impl Hostile {
+    pub(crate) const ALL: [Hostile; 5] = [
+        Hostile::DeepHeaders,
+        Hostile::OversizedFields,
+        Hostile::Expiration,
+        Hostile::InvalidCopies,
+        Hostile::SimultaneousStart,
+    ];
+}
 
 /// One message to publish.
 pub(crate) struct Published {
     pub(crate) routing_key: String,
     pub(crate) message: OutgoingMessage,
+    /// AMQP `expiration` (per-message TTL, milliseconds), if any.
+    pub(crate) expiration: Option<String>,
+}
+
+impl Drop for Published {
+    /// Headers are taken apart iteratively: dropping a deeply nested JSON value recursively
+    /// would overflow the stack.
+    fn drop(&mut self) {
+        let mut values: Vec<Value> = std::mem::take(&mut self.message.headers)
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect();
+        while let Some(v) = values.pop() {
+            match v {
+                Value::Array(a) => values.extend(a),
+                Value::Object(o) => values.extend(o.into_iter().map(|(_, v)| v)),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// A hostile message of the stream and the outcome it must have.
+pub(crate) struct HostileMessage {
+    pub(crate) kind: Hostile,
+    /// Its AMQP message id (the parked copy keeps it).
+    pub(crate) message_id: String,
+    /// Parked as a payload conflict without a row of its own, rather than parked with a row.
+    pub(crate) conflict: bool,
 }
 
 /// What the database must show once the stream is consumed.
@@ -36,11 +110,22 @@ pub(crate) struct Scenario {
     pub(crate) expected: Expected,
     /// A payment whose commit is followed by a dropped connection (crash before ack).
     pub(crate) crash_after_commit_of: String,
+    /// The hostile messages in the stream.
+    pub(crate) hostile: Vec<HostileMessage>,
 }
 
 impl Scenario {
+    /// The ordinary stream, without hostile inputs.
     pub(crate) fn generate(orders: usize, seed: u64) -> Self {
+        Self::generate_with(orders, seed, &[])
+    }
+
+    /// The stream with the `hostile` inputs added; the ordinary part is the same as without.
+    pub(crate) fn generate_with(orders: usize, seed: u64, hostile: &[Hostile]) -> Self {
         let mut rng = StdRng::seed_from_u64(seed);
+        // Hostile material from a stream of its own, so the ordinary part does not depend on it.
+        let mut hostile_rng = StdRng::seed_from_u64(seed ^ 0x4057_11e5);
+        let wants = |kind: Hostile| hostile.contains(&kind);
         let run = format!("{seed:016x}");
         let mut s = Scenario {
             messages: Vec::new(),
@@ -49,6 +134,13 @@ impl Scenario {
             out_of_order: 0,
             expected: Expected::default(),
             crash_after_commit_of: String::new(),
+            hostile: Vec::new(),
+        };
+        // Hostile ids count on their own, so the ordinary ids do not shift with them.
+        let mut hostile_n = 0u64;
+        let mut hostile_id = |kind: &str| {
+            hostile_n += 1;
+            format!("{run}-hostile-{kind}-{hostile_n}")
         };
         let mut id = 0u64;
         let mut next_id = |kind: &str| {
@@ -58,6 +150,26 @@ impl Scenario {
         let mut late = Vec::new();
         let mut paid_orders = Vec::new();
         let mut first_placed = None;
+        // An early paid order's OrderPlaced and first payment, for invalid copies: early, so
+        // the valid messages are settled long before their copies arrive at the end (a copy
+        // that arrives first takes the key, and the valid message becomes the conflict).
+        let mut early_paid = None;
+
+        if wants(Hostile::Expiration) {
+            // First in the stream, so they are parked early and their copies have to outlive
+            // the TTL in the parking lot for most of the run.
+            let mut bad_json = payment_received(&hostile_id("ttl-bad-json"), "nowhere", 1);
+            bad_json.body = b"{\"order_id\": \"nowhere\", \"amount\": ".to_vec();
+            let mut future_version = payment_received(&hostile_id("ttl-v9"), "nowhere", 1);
+            future_version
+                .headers
+                .insert(VERSION_HEADER.into(), 9.into());
+            let mut unknown = order_cancelled(&hostile_id("ttl-shipped"), "nowhere");
+            unknown.kind = Some("OrderShipped".into());
+            for m in [bad_json, future_version, unknown] {
+                s.push_hostile(Hostile::Expiration, m, Some(EXPIRATION_MS.to_string()));
+            }
+        }
 
         for k in 0..orders {
             let order_id = format!("ord-{run}-{k}");
@@ -86,6 +198,10 @@ impl Scenario {
                 }
                 s.expected.payments += 2;
                 paid_orders.push(order_id.clone());
+                if paid_orders.len() == 2 {
+                    // The second: the first order's OrderPlaced gets a reused id below.
+                    early_paid = Some((placed.clone(), pay1.clone()));
+                }
                 vec![placed, pay1, pay2]
             };
             for m in batch {
@@ -140,6 +256,65 @@ impl Scenario {
                 s.push(m);
             }
         }
+        if wants(Hostile::DeepHeaders) {
+            let mut deep = payment_received(&hostile_id("deep-headers"), "nowhere", 1);
+            // Built level by level: `json!` and serde would recurse as deep as the value.
+            let mut value = Value::from(1);
+            for _ in 0..DEEP_HEADER_LEVELS {
+                value = Value::Array(vec![value]);
+            }
+            deep.headers.insert("x-deep".into(), value);
+            s.push_hostile(Hostile::DeepHeaders, deep, None);
+        }
+        if wants(Hostile::OversizedFields) {
+            // Each carries the oversized aggregate id, which no version of the inbox can index,
+            // so each must be parked with a row; the others ride along to be bounded too.
+            let mut huge = || random_hex(&mut hostile_rng, OVERSIZED_FIELD_BYTES);
+            let long_correlation = "c".repeat(255);
+            for extra in [
+                None,
+                Some(CAUSATION_HEADER),
+                Some(TENANT_HEADER),
+                Some(TRACEPARENT_HEADER),
+                Some(TYPE_HEADER),
+            ] {
+                let label = extra.unwrap_or("aggregate-id");
+                let mut m = payment_received(&hostile_id(&format!("long-{label}")), "nowhere", 1);
+                m.correlation_id = Some(long_correlation.clone());
+                m.headers.insert(AGGREGATE_ID_HEADER.into(), huge().into());
+                if let Some(header) = extra {
+                    m.headers.insert(header.into(), huge().into());
+                }
+                if extra == Some(TYPE_HEADER) {
+                    // The type then comes from the header (AMQP's `type` is at most 255 bytes).
+                    m.kind = None;
+                }
+                s.push_hostile(Hostile::OversizedFields, m, None);
+            }
+        }
+        if wants(Hostile::InvalidCopies)
+            && let Some((placed, pay)) = early_paid
+        {
+            let mut not_json = placed;
+            not_json.body = b"<order>not json</order>".to_vec();
+            // A version-9 body of its own: with the original's exact bytes the copy would be
+            // a plain duplicate by payload hash, whatever its version header says.
+            let mut unsupported = pay;
+            unsupported.headers.insert(VERSION_HEADER.into(), 9.into());
+            let mut body: serde_json::Map<String, Value> =
+                serde_json::from_slice(&unsupported.body).unwrap_or_default();
+            body.insert("amount_minor_units".into(), 3.into());
+            unsupported.body = Value::Object(body).to_string().into_bytes();
+            for m in [not_json, unsupported] {
+                s.expected.conflicts += 1;
+                s.hostile.push(HostileMessage {
+                    kind: Hostile::InvalidCopies,
+                    message_id: m.message_id.clone().unwrap_or_default(),
+                    conflict: true,
+                });
+                late.push(m);
+            }
+        }
         // Cancelling a paid order is an invalid transition: parked.
         if let Some(order_id) = paid_orders.first() {
             s.unique_keys += 1;
@@ -159,16 +334,48 @@ impl Scenario {
     }
 
     fn push(&mut self, message: OutgoingMessage) {
+        self.push_expiring(message, None);
+    }
+
+    fn push_expiring(&mut self, message: OutgoingMessage, expiration: Option<String>) {
         let routing_key = routing_key(message.kind.as_deref().unwrap_or_default()).to_owned();
         self.messages.push(Published {
             routing_key,
             message,
+            expiration,
         });
     }
+
+    /// A hostile message with an inbox key of its own, which must end parked with a row.
+    fn push_hostile(
+        &mut self,
+        kind: Hostile,
+        message: OutgoingMessage,
+        expiration: Option<String>,
+    ) {
+        self.unique_keys += 1;
+        self.expected.parked_rows += 1;
+        self.hostile.push(HostileMessage {
+            kind,
+            message_id: message.message_id.clone().unwrap_or_default(),
+            conflict: false,
+        });
+        self.push_expiring(message, expiration);
+    }
+}
+
+/// `len` random hex digits: incompressible enough that PostgreSQL's TOAST compression cannot
+/// bring the value under the index row limit.
+fn random_hex(rng: &mut StdRng, len: usize) -> String {
+    (0..len)
+        .map(|_| char::from_digit(rng.random_range(0..16), 16).unwrap_or('0'))
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
+
     use super::*;
 
     #[test]
@@ -189,5 +396,117 @@ mod tests {
             a.messages.len(),
             a.unique_keys + a.duplicates + a.expected.conflicts as usize
         );
+    }
+
+    /// Nesting depth of a JSON value, counted iteratively.
+    fn depth(v: &Value) -> usize {
+        let mut deepest = 0;
+        let mut stack = vec![(v, 0)];
+        while let Some((v, d)) = stack.pop() {
+            deepest = deepest.max(d);
+            match v {
+                Value::Array(a) => stack.extend(a.iter().map(|c| (c, d + 1))),
+                Value::Object(o) => stack.extend(o.values().map(|c| (c, d + 1))),
+                _ => {}
+            }
+        }
+        deepest
+    }
+
+    fn deepest_header(s: &Scenario) -> usize {
+        s.messages
+            .iter()
+            .flat_map(|m| m.message.headers.values())
+            .map(depth)
+            .max()
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn hostile_inputs_are_counted_and_leave_the_ordinary_stream_alone() {
+        let plain = Scenario::generate(300, 7);
+        assert!(plain.hostile.is_empty());
+        assert!(plain.messages.iter().all(|m| m.expiration.is_none()));
+        let all = Scenario::generate_with(300, 7, &Hostile::ALL);
+        assert_eq!(
+            all.messages.len(),
+            all.unique_keys + all.duplicates + all.expected.conflicts as usize
+        );
+        let with_row = all.hostile.iter().filter(|h| !h.conflict).count();
+        let conflicts = all.hostile.iter().filter(|h| h.conflict).count();
+        assert_eq!(with_row, 1 + 5 + 3, "deep, oversized, expiring");
+        assert_eq!(conflicts, 2);
+        assert_eq!(all.unique_keys, plain.unique_keys + with_row);
+        assert_eq!(
+            all.expected.parked_rows,
+            plain.expected.parked_rows + with_row as i64
+        );
+        assert_eq!(all.expected.conflicts, plain.expected.conflicts + 2);
+        assert_eq!(all.expected.payments, plain.expected.payments);
+        assert_eq!(deepest_header(&all), DEEP_HEADER_LEVELS);
+        // The invalid copies reuse ids of messages that are valid in the stream.
+        for copy in all.hostile.iter().filter(|h| h.conflict) {
+            let same_id = all
+                .messages
+                .iter()
+                .filter(|m| m.message.message_id.as_deref() == Some(&copy.message_id))
+                .count();
+            assert!(same_id >= 2, "{} has a valid original", copy.message_id);
+            let bodies: HashSet<_> = all
+                .messages
+                .iter()
+                .filter(|m| m.message.message_id.as_deref() == Some(&copy.message_id))
+                .map(|m| &m.message.body)
+                .collect();
+            assert_eq!(
+                bodies.len(),
+                2,
+                "the copy's body differs from the original's"
+            );
+        }
+        // Every oversized message carries the unindexable aggregate id.
+        let oversized: Vec<_> = all
+            .hostile
+            .iter()
+            .filter(|h| h.kind == Hostile::OversizedFields)
+            .collect();
+        assert_eq!(oversized.len(), 5);
+        for h in oversized {
+            let m = all
+                .messages
+                .iter()
+                .find(|m| m.message.message_id.as_deref() == Some(&h.message_id))
+                .expect("published");
+            let id = m.message.headers[AGGREGATE_ID_HEADER]
+                .as_str()
+                .unwrap_or("");
+            assert!(id.len() >= 4096);
+        }
+        let expiring = all
+            .messages
+            .iter()
+            .filter(|m| m.expiration.is_some())
+            .count();
+        assert_eq!(expiring, 3);
+        // The ordinary messages come in the same order, with the same ids and bodies.
+        let key = |m: &Published| (m.message.message_id.clone(), m.message.body.clone());
+        let mut hostile_stream = all.messages.iter().map(key);
+        for m in &plain.messages {
+            let wanted = key(m);
+            assert!(hostile_stream.any(|k| k == wanted), "{:?} kept", wanted.0);
+        }
+        assert_eq!(all.messages.len(), plain.messages.len() + all.hostile.len());
+    }
+
+    #[test]
+    fn deep_headers_can_be_left_out() {
+        let without: Vec<Hostile> = Hostile::ALL
+            .into_iter()
+            .filter(|h| *h != Hostile::DeepHeaders)
+            .collect();
+        let s = Scenario::generate_with(300, 7, &without);
+        assert!(deepest_header(&s) < 3);
+        assert!(s.hostile.iter().all(|h| h.kind != Hostile::DeepHeaders));
+        assert_eq!(s.hostile.len(), 5 + 3 + 2);
     }
 }

@@ -169,8 +169,60 @@ fn truncate_chars(s: &str, n: usize) -> &str {
     s.char_indices().nth(n).map_or(s, |(i, _)| &s[..i])
 }
 
-fn json_to_value(v: &Value) -> Result<AMQPValue, BrokerError> {
-    Ok(match v {
+/// A JSON container being converted, with the AMQP values of its children so far.
+enum Open<'a> {
+    Array(std::slice::Iter<'a, Value>, Vec<AMQPValue>),
+    /// The table, and the name of the child being converted.
+    Table(serde_json::map::Iter<'a>, FieldTable, Option<ShortString>),
+}
+
+/// JSON to an AMQP value, iteratively: a producer's header may nest thousands of levels
+/// (bounded only by the frame size), and a recursive conversion would overflow the stack.
+fn json_to_value(root: &Value) -> Result<AMQPValue, BrokerError> {
+    let mut stack: Vec<Open<'_>> = Vec::new();
+    let mut finished = open(root, &mut stack);
+    loop {
+        let Some(top) = stack.last_mut() else {
+            return Ok(finished.unwrap_or(AMQPValue::Void));
+        };
+        if let Some(child) = finished.take() {
+            match top {
+                Open::Array(_, values) => values.push(child),
+                Open::Table(_, table, name) => {
+                    if let Some(name) = name.take() {
+                        table.insert(name, child);
+                    }
+                }
+            }
+        }
+        let next = match top {
+            Open::Array(children, _) => children.next(),
+            Open::Table(children, _, name) => match children.next() {
+                Some((k, v)) => {
+                    *name = Some(short(
+                        &format!("header name {:?}", truncate_chars(k, 40)),
+                        k,
+                    )?);
+                    Some(v)
+                }
+                None => None,
+            },
+        };
+        match next {
+            Some(child) => finished = open(child, &mut stack),
+            None => {
+                finished = stack.pop().map(|done| match done {
+                    Open::Array(_, values) => AMQPValue::FieldArray(FieldArray::from(values)),
+                    Open::Table(_, table, _) => AMQPValue::FieldTable(table),
+                });
+            }
+        }
+    }
+}
+
+/// A scalar's AMQP value, or `None` after pushing a container onto `stack`.
+fn open<'a>(v: &'a Value, stack: &mut Vec<Open<'a>>) -> Option<AMQPValue> {
+    Some(match v {
         Value::Null => AMQPValue::Void,
         Value::Bool(b) => AMQPValue::Boolean(*b),
         Value::Number(n) => match (n.as_i64(), n.as_f64()) {
@@ -179,10 +231,14 @@ fn json_to_value(v: &Value) -> Result<AMQPValue, BrokerError> {
             (None, None) => long_string(&n.to_string()),
         },
         Value::String(s) => long_string(s),
-        Value::Array(a) => AMQPValue::FieldArray(FieldArray::from(
-            a.iter().map(json_to_value).collect::<Result<Vec<_>, _>>()?,
-        )),
-        Value::Object(o) => AMQPValue::FieldTable(json_to_table(o)?),
+        Value::Array(a) => {
+            stack.push(Open::Array(a.iter(), Vec::with_capacity(a.len())));
+            return None;
+        }
+        Value::Object(o) => {
+            stack.push(Open::Table(o.iter(), FieldTable::default(), None));
+            return None;
+        }
     })
 }
 
@@ -202,6 +258,38 @@ mod tests {
             table_to_json(&json_to_table(&map).expect("short names")),
             (map, None)
         );
+    }
+
+    #[test]
+    fn deep_json_headers_convert_without_recursion() {
+        // Far deeper than a recursive conversion survives on a 2 MB test thread.
+        let depth = 50_000;
+        // Built by hand: `json!` would serialize (recursively) the value it wraps.
+        let mut deep = Value::from(1);
+        for i in 0..depth {
+            deep = if i % 2 == 0 {
+                Value::Array(vec![deep])
+            } else {
+                Value::Object(Map::from_iter([("t".to_owned(), deep)]))
+            };
+        }
+        let mut map = Map::new();
+        map.insert("deep".into(), deep);
+        let table = json_to_table(&map).expect("short names");
+        let mut levels = 0;
+        let mut at = table.inner().get("deep");
+        while let Some(v) = at {
+            at = match v {
+                AMQPValue::FieldArray(a) => a.as_slice().first(),
+                AMQPValue::FieldTable(t) => t.inner().get("t"),
+                _ => None,
+            };
+            levels += 1;
+        }
+        assert_eq!(levels, depth + 1);
+        // Both values are deep: dropping them recursively would overflow too.
+        std::mem::forget(table);
+        std::mem::forget(map);
     }
 
     #[test]

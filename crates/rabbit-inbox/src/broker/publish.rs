@@ -128,9 +128,24 @@ impl Broker {
         exchange: &str,
         messages: &[(&str, &OutgoingMessage)],
     ) -> Result<(), BrokerError> {
+        let expiring: Vec<_> = messages.iter().map(|&(k, m)| (k, m, None)).collect();
+        self.publish_batch_expiring(exchange, &expiring).await
+    }
+
+    /// [`Broker::publish_batch`] with a per-message TTL: the AMQP `expiration` of each
+    /// message, in milliseconds as AMQP carries it (`"60000"`), where given.
+    pub async fn publish_batch_expiring(
+        &self,
+        exchange: &str,
+        messages: &[(&str, &OutgoingMessage, Option<&str>)],
+    ) -> Result<(), BrokerError> {
         for chunk in messages.chunks(512) {
             let mut confirms = Vec::with_capacity(chunk.len());
-            for &(routing_key, message) in chunk {
+            for &(routing_key, message, expiration) in chunk {
+                let mut properties = message.properties()?;
+                if let Some(ttl) = expiration {
+                    properties = properties.with_expiration(short("expiration", ttl)?);
+                }
                 let confirm = self
                     .channel
                     .basic_publish(
@@ -141,7 +156,7 @@ impl Broker {
                             ..BasicPublishOptions::default()
                         },
                         &message.body,
-                        message.properties()?,
+                        properties,
                     )
                     .await?;
                 confirms.push(confirm);
