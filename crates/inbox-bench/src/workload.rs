@@ -156,9 +156,19 @@ impl BatchHandler for BatchEffect {
     ) -> Result<(), BatchError> {
         let mut ids = Vec::with_capacity(msgs.len());
         let mut seqs = Vec::with_capacity(msgs.len());
+        let mut failed = Vec::new();
         for (index, m) in msgs.iter().enumerate() {
-            ids.push(m.message_id());
-            seqs.push(seq_of(m).map_err(|error| BatchError::Message { index, error })?);
+            match seq_of(m) {
+                Ok(seq) => {
+                    ids.push(m.message_id());
+                    seqs.push(seq);
+                }
+                Err(error) => failed.push((index, error)),
+            }
+        }
+        // A set-based handler validates the whole batch and names every message it refuses.
+        if !failed.is_empty() {
+            return Err(BatchError::Messages(failed));
         }
         sqlx::query(self.0.insert_many.clone())
             .bind(&ids)

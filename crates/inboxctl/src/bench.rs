@@ -19,7 +19,7 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 0.0)]
     duplicates: f64,
     /// Share of unique messages the handlers refuse permanently (they are parked), 0 to 0.5;
-    /// shows the cost of re-running a batch without its failing message.
+    /// shows what failing messages cost (the batch handler names them all at once).
     #[arg(long, default_value_t = 0.0)]
     failures: f64,
     /// rabbit-inbox batch size (default: the library's).

@@ -74,8 +74,6 @@ pub(crate) struct ChaosArgs {
     #[arg(long, default_value_t = 900)]
     timeout_secs: u64,
     /// Hostile inputs to add, comma-separated; `--hostile` without a value adds none.
-    /// `deep-headers` needs an AMQP client that survives the deepest header the broker
-    /// accepts, in this process (it publishes and drains the message) and in the consumers.
     #[arg(
         long,
         value_enum,

@@ -201,6 +201,11 @@ pub enum BatchError {
         /// The failure.
         error: HandlerError,
     },
+    /// Several messages failed (a set-based handler that validates the whole batch): the batch
+    /// is rolled back and run again once without all of them. Indexes into the handler's slice;
+    /// an empty list is treated like [`BatchError::Batch`].
+    #[error("{} messages of the batch failed", .0.len())]
+    Messages(Vec<(usize, HandlerError)>),
     /// The batch failed and the handler cannot say which message caused it. The messages are
     /// run again one per call to find out.
     #[error("batch failed: {0}")]

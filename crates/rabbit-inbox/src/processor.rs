@@ -143,6 +143,8 @@ pub(crate) struct Processor<H> {
 enum TxError {
     /// The handler failed for the message at this index.
     Handler(usize, HandlerError),
+    /// The handler failed for the messages at these indexes (a set-based handler).
+    Handlers(Vec<(usize, HandlerError)>),
     /// The transaction failed and which message caused it is unknown: run each message on its
     /// own to find out. A message that fails alone is charged with this error.
     Isolate(HandlerError),
@@ -217,6 +219,9 @@ struct PendingFailure {
     /// Record without the producer's optional fields (after they could not be stored).
     minimal: bool,
 }
+
+/// Smallest chunk the rest of a batch is split into after a failure.
+const MIN_CHUNK: usize = 8;
 
 /// Transaction attempts for deadlocks and the like before giving up on a batch.
 const MAX_TRANSIENT_RETRIES: u32 = 3;
@@ -349,11 +354,25 @@ impl<H: BatchHandler> Processor<H> {
                 }
                 Err(TxError::Handler(i, e)) => {
                     // Linear in failures: what ran before the failing message runs again and
-                    // commits, what comes after it goes on as a batch of its own.
+                    // commits; what comes after it goes on in chunks about twice the
+                    // failure-free stretch just seen, so that a later failure rolls back (and
+                    // re-claims) one chunk, not everything that is left.
                     let at = active.iter().position(|&a| a == i).unwrap_or(0);
-                    queue.push_front(active[at + 1..].to_vec());
+                    let chunk = ((at + 1) * 2).max(MIN_CHUNK);
+                    for rest in active[at + 1..].chunks(chunk).rev() {
+                        queue.push_front(rest.to_vec());
+                    }
                     queue.push_front(active[..at].to_vec());
                     failed.push(self.handler_failure(i, &e));
+                }
+                Err(TxError::Handlers(errors)) => {
+                    let rest: Vec<usize> = active
+                        .iter()
+                        .copied()
+                        .filter(|a| !errors.iter().any(|(i, _)| i == a))
+                        .collect();
+                    queue.push_front(rest);
+                    failed.extend(errors.iter().map(|(i, e)| self.handler_failure(*i, e)));
                 }
                 Err(TxError::Isolate(e)) if active.len() > 1 => {
                     tracing::debug!(error = %e, batch = active.len(), "batch failed without a culprit; one message per transaction");
@@ -591,6 +610,31 @@ impl<H: BatchHandler> Processor<H> {
                     ))
                 })?;
                 return Err(TxError::from_handler(Some(i), error));
+            }
+            Err(BatchError::Messages(errors)) => {
+                let mut blamed = Vec::with_capacity(errors.len());
+                for (index, error) in errors {
+                    let Some(&(i, _)) = run.get(index) else {
+                        return Err(TxError::Isolate(HandlerError::retryable(
+                            "bad_batch_index",
+                            format!("batch handler blamed message {index} of {}", run.len()),
+                        )));
+                    };
+                    match TxError::from_handler(Some(i), error) {
+                        TxError::Handler(i, e) => blamed.push((i, e)),
+                        // Not about the message: the whole transaction's problem.
+                        other => return Err(other),
+                    }
+                }
+                if blamed.is_empty() {
+                    return Err(TxError::Isolate(HandlerError::retryable(
+                        "batch_failed",
+                        "batch handler reported failed messages without naming one",
+                    )));
+                }
+                blamed.sort_by_key(|(i, _)| *i);
+                blamed.dedup_by_key(|(i, _)| *i);
+                return Err(TxError::Handlers(blamed));
             }
             Err(BatchError::Batch(error)) => return Err(TxError::from_handler(None, error)),
         }

@@ -701,3 +701,103 @@ async fn invalid_message_without_json_is_parked_with_its_row() {
         Some("invalid_json")
     );
 }
+
+/// A set-based batch handler that refuses every message whose id starts with `bad`, all at
+/// once, before writing anything; logs the ids of each call.
+#[derive(Clone)]
+struct Validating {
+    schema: SchemaName,
+    calls: Arc<Mutex<Vec<Vec<String>>>>,
+}
+
+impl BatchHandler for Validating {
+    async fn handle_batch(
+        &self,
+        msgs: &[InboxMessage<'_>],
+        tx: &mut PgConnection,
+    ) -> Result<(), BatchError> {
+        self.calls
+            .lock()
+            .expect("lock")
+            .push(msgs.iter().map(|m| m.message_id().to_owned()).collect());
+        let refused: Vec<(usize, HandlerError)> = msgs
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.message_id().starts_with("bad"))
+            .map(|(i, m)| {
+                (
+                    i,
+                    HandlerError::permanent("refused", format!("{} is refused", m.message_id())),
+                )
+            })
+            .collect();
+        if !refused.is_empty() {
+            return Err(BatchError::Messages(refused));
+        }
+        let ids: Vec<&str> = msgs.iter().map(|m| m.message_id()).collect();
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO \"{}\".effects (message_id, consumer_name, message_type, attempt, body) \
+             SELECT id, 'svc', 'Thing', 1, '' FROM UNNEST($1::text[]) AS id",
+            self.schema
+        )))
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| BatchError::Batch(e.into()))?;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_handler_refusing_several_messages_reruns_the_batch_once() {
+    let env = TestEnv::new().await;
+    let mut config = env.config("svc", env.topology("several"));
+    config.lanes = 1;
+    config.batch_size = 50;
+    config.max_batch_delay = Duration::from_secs(1);
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    let ids: Vec<String> = (0..30)
+        .map(|i| {
+            if i % 4 == 1 {
+                format!("bad{i:02}")
+            } else {
+                format!("ok{i:02}")
+            }
+        })
+        .collect();
+    let messages: Vec<OutgoingMessage> = (0..).zip(&ids).map(|(n, id)| thing(id, n)).collect();
+    let pairs: Vec<(&str, &OutgoingMessage)> = messages
+        .iter()
+        .map(|m| (topology.queue.as_str(), m))
+        .collect();
+    env.broker
+        .publish_batch("", &pairs)
+        .await
+        .expect("published");
+    let handler = Validating {
+        schema: env.schema.clone(),
+        calls: Arc::default(),
+    };
+    let consumer = env.start_batch(config, handler.clone());
+    let bad = ids.iter().filter(|id| id.starts_with("bad")).count();
+    let parked = env.take_parked(&topology, bad as u32).await;
+    wait_for("the rest processed", async || {
+        consumer.snapshot().processed as usize == ids.len() - bad
+    })
+    .await;
+    consumer.stop().await;
+
+    assert_eq!(parked.len(), bad);
+    let calls = handler.calls.lock().expect("lock").clone();
+    let handed: usize = calls.iter().map(Vec::len).sum();
+    assert!(
+        handed <= 2 * ids.len(),
+        "every message handed over at most twice: {calls:?}"
+    );
+    for id in &ids {
+        let expected = i64::from(!id.starts_with("bad"));
+        assert_eq!(env.effects(id).await, expected, "{id}");
+    }
+    assert_eq!(env.depths(&topology).await, EMPTY);
+}
