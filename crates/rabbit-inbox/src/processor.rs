@@ -677,17 +677,24 @@ impl<H: BatchHandler> Processor<H> {
         db: &mut LaneConnection,
     ) {
         let mut transient_retries = 0;
+        // All failures in one statement first; one statement each once a statement has been
+        // refused, to find which failure cannot be stored.
+        let mut one_by_one = false;
         loop {
-            match self.failure_transaction(items, &failures, db).await {
+            match self
+                .failure_transaction(items, &failures, one_by_one, db)
+                .await
+            {
                 Ok(decided) => {
                     for (i, outcome) in decided {
                         outcomes[i] = Some(outcome);
                     }
                     return;
                 }
+                Err(FailureTxError::Unstorable(None, _)) => one_by_one = true,
                 // A failure that cannot be stored as it is (a value over an index limit): store
                 // the minimal row, so that nothing is parked without one and nothing loops.
-                Err(FailureTxError::Unstorable(k, error)) => {
+                Err(FailureTxError::Unstorable(Some(k), error)) => {
                     if failures[k].minimal {
                         let f = failures.remove(k);
                         outcomes[f.index] = Some(Outcome::Unrecorded {
@@ -721,10 +728,13 @@ impl<H: BatchHandler> Processor<H> {
         &self,
         items: &[Parsed],
         failures: &[PendingFailure],
+        one_by_one: bool,
         db: &mut LaneConnection,
     ) -> Result<Vec<(usize, Outcome)>, FailureTxError> {
         let mut tx = db.begin().await.map_err(FailureTxError::outage)?;
-        let result = self.write_failures(items, failures, &mut tx).await;
+        let result = self
+            .write_failures(items, failures, one_by_one, &mut tx)
+            .await;
         match result {
             Ok(decided) => {
                 tx.commit().await.map_err(FailureTxError::outage)?;
@@ -741,6 +751,7 @@ impl<H: BatchHandler> Processor<H> {
         &self,
         items: &[Parsed],
         failures: &[PendingFailure],
+        one_by_one: bool,
         tx: &mut PgConnection,
     ) -> Result<Vec<(usize, Outcome)>, FailureTxError> {
         let ids: Vec<&str> = failures
@@ -752,14 +763,13 @@ impl<H: BatchHandler> Processor<H> {
             .lock_rows(&mut *tx, &self.consumer, &ids)
             .await
             .map_err(FailureTxError::store)?;
+        let row_of = |id: &str| existing.iter().find(|r| r.message_id == id);
         let mut decided = Vec::with_capacity(failures.len());
         let mut conflicts = Vec::new();
+        let mut to_record = Vec::with_capacity(failures.len());
         for (k, f) in failures.iter().enumerate() {
             let envelope = envelope_of(items, f.index);
-            let row = existing
-                .iter()
-                .find(|r| r.message_id == envelope.message_id);
-            if let Some(row) = row
+            if let Some(row) = row_of(&envelope.message_id)
                 && f.invalid
                 && !same_body(&row.payload_sha256, envelope)
             {
@@ -789,65 +799,86 @@ impl<H: BatchHandler> Processor<H> {
                 ));
                 continue;
             }
-            let minimal_envelope;
-            let stored = if f.minimal {
-                minimal_envelope = minimal(envelope);
-                &minimal_envelope
-            } else {
-                envelope
-            };
-            let failure = Failure {
-                status: f.status,
-                code: &f.code,
-                message: &f.message,
-                max_attempts: self.retry.max_attempts,
-                store_payload: f.store_payload && !f.minimal,
-            };
+            to_record.push(k);
+        }
+
+        let minimal: HashMap<usize, Envelope> = to_record
+            .iter()
+            .filter(|&&k| failures[k].minimal)
+            .map(|&k| (k, minimal(envelope_of(items, failures[k].index))))
+            .collect();
+        // Waves of distinct keys: one upsert cannot touch a row twice.
+        while !to_record.is_empty() {
+            let mut seen = std::collections::HashSet::new();
+            let (wave, later): (Vec<usize>, Vec<usize>) = to_record.iter().partition(|&&k| {
+                (!one_by_one || seen.is_empty())
+                    && seen.insert(envelope_of(items, failures[k].index).message_id.as_str())
+            });
+            to_record = later;
+            let rows: Vec<(&Envelope, Failure<'_>)> = wave
+                .iter()
+                .map(|&k| {
+                    let f = &failures[k];
+                    let stored = minimal
+                        .get(&k)
+                        .unwrap_or_else(|| envelope_of(items, f.index));
+                    let failure = Failure {
+                        status: f.status,
+                        code: &f.code,
+                        message: &f.message,
+                        max_attempts: self.retry.max_attempts,
+                        store_payload: f.store_payload && !f.minimal,
+                    };
+                    (stored, failure)
+                })
+                .collect();
             let recorded = self
                 .store
-                .record_failure(&mut *tx, &self.consumer, stored, failure)
+                .record_failures(&mut *tx, &self.consumer, self.retry.max_attempts, &rows)
                 .await
                 .map_err(|e| match &e {
                     StoreError::Database(db)
                         if DbErrorClass::of(db) == DbErrorClass::Deterministic =>
                     {
+                        let k = (wave.len() == 1).then(|| wave[0]);
                         FailureTxError::Unstorable(k, e.to_string())
                     }
                     _ => FailureTxError::store(e),
                 })?;
-            let outcome = match recorded {
-                Some((InboxStatus::RetryableFailed, attempt)) => Outcome::RetryScheduled {
-                    attempt,
-                    code: f.code.clone(),
-                },
-                Some((status, _)) => Outcome::Parked {
-                    status,
-                    code: f.code.clone(),
-                    message: f.message.clone(),
-                },
-                // The row is PROCESSED or parked and was left alone.
-                None => {
-                    let row = match row {
-                        Some(row) => Some(row.clone()),
-                        None => self
+            for (&k, recorded) in wave.iter().zip(recorded) {
+                let f = &failures[k];
+                let envelope = envelope_of(items, f.index);
+                let outcome = match recorded {
+                    Some((InboxStatus::RetryableFailed, attempt)) => Outcome::RetryScheduled {
+                        attempt,
+                        code: f.code.clone(),
+                    },
+                    Some((status, _)) => Outcome::Parked {
+                        status,
+                        code: f.code.clone(),
+                        message: f.message.clone(),
+                    },
+                    // The row is PROCESSED or parked and was left alone.
+                    None => {
+                        let row = self
                             .store
                             .find(&mut *tx, &self.consumer, &envelope.message_id)
                             .await
-                            .map_err(FailureTxError::store)?,
-                    };
-                    match row {
-                        Some(row) if row.status == InboxStatus::Processed => Outcome::Duplicate,
-                        Some(row) if row.status.is_parked() => parked_again(&row),
-                        _ => {
-                            return Err(FailureTxError::Transient(format!(
-                                "row {} changed while its failure was recorded",
-                                envelope.message_id
-                            )));
+                            .map_err(FailureTxError::store)?;
+                        match row {
+                            Some(row) if row.status == InboxStatus::Processed => Outcome::Duplicate,
+                            Some(row) if row.status.is_parked() => parked_again(&row),
+                            _ => {
+                                return Err(FailureTxError::Transient(format!(
+                                    "row {} changed while its failure was recorded",
+                                    envelope.message_id
+                                )));
+                            }
                         }
                     }
-                }
-            };
-            decided.push((f.index, outcome));
+                };
+                decided.push((f.index, outcome));
+            }
         }
         self.store
             .note_redeliveries(&mut *tx, &self.consumer, &conflicts)
@@ -859,8 +890,9 @@ impl<H: BatchHandler> Processor<H> {
 
 /// Why recording failures did not commit.
 enum FailureTxError {
-    /// The failure at this position cannot be stored as it is.
-    Unstorable(usize, String),
+    /// The failure at this position (unknown when several were written in one statement)
+    /// cannot be stored as it is.
+    Unstorable(Option<usize>, String),
     Transient(String),
     Outage(String),
 }

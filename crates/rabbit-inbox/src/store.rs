@@ -308,18 +308,26 @@ impl Sql {
             // copy committed the effect meanwhile: the failure is moot) nor a parked row
             // (PERMANENT_FAILED, POISONED): its copy is in the parking lot, and only an explicit,
             // audited reopen may change it. A racing retryable failure must not revive it.
+            // Many rows at once (keys distinct): a batch's failures are one statement.
             record_failure: audited(format!(
                 "INSERT INTO {t} AS i (message_id, consumer_name, message_type, message_version, \
                    aggregate_type, aggregate_id, status, processing_attempt, first_failed_at, \
                    last_failed_at, payload_sha256, payload, headers, last_error_code, \
                    last_error_message, correlation_id, causation_id, trace_id, tenant_id) \
-                 VALUES ($1, $2, $3, $4, $5, $6, \
-                   CASE WHEN $7 = 'RETRYABLE_FAILED' AND 1 >= $8 THEN 'POISONED' ELSE $7 END, \
-                   1, now(), now(), $9, $10, $11, $12, $13, $14, $15, $16, $17) \
+                 SELECT u.id, $1, u.ty, u.ver, u.agg_ty, u.agg_id, \
+                   CASE WHEN u.status = 'RETRYABLE_FAILED' AND 1 >= $17 THEN 'POISONED' \
+                        ELSE u.status END, \
+                   1, now(), now(), u.sha, u.body, u.headers, u.code, u.msg, u.corr, u.cause, \
+                   u.trace, u.tenant \
+                 FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::text[], $6::text[], \
+                   $7::text[], $8::bytea[], $9::bytea[], $10::jsonb[], $11::text[], $12::text[], \
+                   $13::text[], $14::text[], $15::text[], $16::text[]) \
+                   AS u(id, ty, ver, agg_ty, agg_id, status, sha, body, headers, code, msg, \
+                        corr, cause, trace, tenant) \
                  ON CONFLICT (message_id, consumer_name) DO UPDATE SET \
-                   status = CASE WHEN $7 = 'RETRYABLE_FAILED' \
-                                  AND i.processing_attempt + 1 >= $8 \
-                             THEN 'POISONED' ELSE $7 END, \
+                   status = CASE WHEN EXCLUDED.status = 'RETRYABLE_FAILED' \
+                                  AND i.processing_attempt + 1 >= $17 \
+                             THEN 'POISONED' ELSE EXCLUDED.status END, \
                    processing_attempt = i.processing_attempt + 1, \
                    delivery_count = i.delivery_count + 1, last_received_at = now(), \
                    first_failed_at = coalesce(i.first_failed_at, now()), \
@@ -328,7 +336,7 @@ impl Sql {
                    last_error_code = EXCLUDED.last_error_code, \
                    last_error_message = EXCLUDED.last_error_message \
                  WHERE i.status NOT IN ('PROCESSED', 'PERMANENT_FAILED', 'POISONED') \
-                 RETURNING status, processing_attempt"
+                 RETURNING message_id, status, processing_attempt"
             )),
             find_stale: audited(format!(
                 "SELECT {RECORD_COLUMNS} FROM {t} \
@@ -765,33 +773,102 @@ impl InboxStore {
         envelope: &Envelope,
         failure: Failure<'_>,
     ) -> Result<Option<(InboxStatus, i32)>, StoreError> {
-        let row = sqlx::query(self.sql.record_failure.clone())
-            .bind(&envelope.message_id)
-            .bind(consumer)
-            .bind(storable(&envelope.message_type))
-            .bind(envelope.message_version)
-            .bind(envelope.aggregate_type.as_deref().map(storable))
-            .bind(envelope.aggregate_id.as_deref().map(storable))
-            .bind(failure.status.as_str())
-            .bind(failure.max_attempts)
-            .bind(&envelope.payload_sha256[..])
-            .bind(failure.store_payload.then_some(&envelope.body[..]))
-            .bind(storable_headers(&envelope.headers))
-            .bind(storable(failure.code))
-            .bind(storable(truncate(failure.message, MAX_ERROR_MESSAGE_CHARS)))
-            .bind(envelope.correlation_id.as_deref().map(storable))
-            .bind(envelope.causation_id.as_deref().map(storable))
-            .bind(trace_id(envelope.traceparent.as_deref()).map(storable))
-            .bind(envelope.tenant_id.as_deref().map(storable))
-            .fetch_optional(conn)
+        let mut recorded = self
+            .record_failures(conn, consumer, failure.max_attempts, &[(envelope, failure)])
             .await?;
-        match row {
-            None => Ok(None),
-            Some(row) => {
-                let status: String = row.try_get("status")?;
-                Ok(Some((status.parse()?, row.try_get("processing_attempt")?)))
-            }
+        Ok(recorded.pop().flatten())
+    }
+
+    /// [`InboxStore::record_failure`] for many messages in one statement, in order. Keys must
+    /// be distinct; `max_attempts` applies to all.
+    pub(crate) async fn record_failures(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        max_attempts: i32,
+        failures: &[(&Envelope, Failure<'_>)],
+    ) -> Result<Vec<Option<(InboxStatus, i32)>>, StoreError> {
+        let column = |f: &dyn Fn(&Envelope, &Failure<'_>) -> Option<String>| {
+            failures.iter().map(|(e, x)| f(e, x)).collect::<Vec<_>>()
+        };
+        let rows = sqlx::query(self.sql.record_failure.clone())
+            .bind(consumer)
+            .bind(
+                failures
+                    .iter()
+                    .map(|(e, _)| e.message_id.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(column(&|e, _| Some(storable(&e.message_type).into_owned())))
+            .bind(
+                failures
+                    .iter()
+                    .map(|(e, _)| e.message_version)
+                    .collect::<Vec<_>>(),
+            )
+            .bind(column(&|e, _| {
+                e.aggregate_type
+                    .as_deref()
+                    .map(|t| storable(t).into_owned())
+            }))
+            .bind(column(&|e, _| {
+                e.aggregate_id.as_deref().map(|t| storable(t).into_owned())
+            }))
+            .bind(
+                failures
+                    .iter()
+                    .map(|(_, f)| f.status.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                failures
+                    .iter()
+                    .map(|(e, _)| &e.payload_sha256[..])
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                failures
+                    .iter()
+                    .map(|(e, f)| f.store_payload.then_some(&e.body[..]))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                failures
+                    .iter()
+                    .map(|(e, _)| storable_headers(&e.headers))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(column(&|_, f| Some(storable(f.code).into_owned())))
+            .bind(column(&|_, f| {
+                Some(storable(truncate(f.message, MAX_ERROR_MESSAGE_CHARS)).into_owned())
+            }))
+            .bind(column(&|e, _| {
+                e.correlation_id
+                    .as_deref()
+                    .map(|t| storable(t).into_owned())
+            }))
+            .bind(column(&|e, _| {
+                e.causation_id.as_deref().map(|t| storable(t).into_owned())
+            }))
+            .bind(column(&|e, _| {
+                trace_id(e.traceparent.as_deref()).map(|t| storable(t).into_owned())
+            }))
+            .bind(column(&|e, _| {
+                e.tenant_id.as_deref().map(|t| storable(t).into_owned())
+            }))
+            .bind(max_attempts)
+            .fetch_all(conn)
+            .await?;
+        let mut recorded = std::collections::HashMap::with_capacity(rows.len());
+        for row in rows {
+            let id: String = row.try_get("message_id")?;
+            let status: String = row.try_get("status")?;
+            recorded.insert(id, (status.parse()?, row.try_get("processing_attempt")?));
         }
+        Ok(failures
+            .iter()
+            .map(|(e, _)| recorded.get(&e.message_id).copied())
+            .collect())
     }
 
     /// Rows stuck in PROCESSING for longer than `older_than`, oldest first.
