@@ -220,8 +220,32 @@ struct PendingFailure {
     minimal: bool,
 }
 
-/// Smallest chunk the rest of a batch is split into after a failure.
-const MIN_CHUNK: usize = 8;
+/// How a batch transaction runs its messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// All at once; a failure rolls everything back. Cheapest when nothing fails.
+    Optimistic,
+    /// In groups under savepoints, after a failure: a further failure undoes its group only.
+    Savepoints,
+}
+
+/// Messages per savepoint after a failure: small enough that a failing group wastes little,
+/// large enough that the savepoints cost little.
+const GROUP: usize = 8;
+
+/// Savepoints per transaction. Each one that writes is a subtransaction; past 64 in one
+/// transaction PostgreSQL's snapshots overflow to disk lookups for every session.
+const MAX_SAVEPOINTS: usize = 48;
+
+/// What a committed batch transaction decided.
+struct Committed {
+    /// Outcomes of the messages it committed (or found settled).
+    decided: Vec<(usize, Outcome)>,
+    /// Messages whose group was rolled back to its savepoint without them: to record.
+    failed: Vec<(usize, HandlerError)>,
+    /// Messages it did not get to (savepoint budget): to run next.
+    rest: Vec<usize>,
+}
 
 /// Transaction attempts for deadlocks and the like before giving up on a batch.
 const MAX_TRANSIENT_RETRIES: u32 = 3;
@@ -338,53 +362,52 @@ impl<H: BatchHandler> Processor<H> {
         outcomes: &mut [Option<Outcome>],
         db: &mut LaneConnection,
     ) {
-        let mut queue = VecDeque::from([round]);
+        let mut queue = VecDeque::from([(round, Mode::Optimistic)]);
         let mut failed: Vec<PendingFailure> = Vec::new();
         let mut transient_retries = 0;
-        while let Some(active) = queue.pop_front() {
+        while let Some((active, mode)) = queue.pop_front() {
             if active.is_empty() {
                 continue;
             }
-            match self.transaction(items, &active, db).await {
-                Ok(decided) => {
+            let without = |failed: &[usize]| -> Vec<usize> {
+                active
+                    .iter()
+                    .copied()
+                    .filter(|a| !failed.contains(a))
+                    .collect()
+            };
+            match self.transaction(items, &active, mode, db).await {
+                Ok(done) => {
                     transient_retries = 0;
-                    for (i, outcome) in decided {
+                    for (i, outcome) in done.decided {
                         outcomes[i] = Some(outcome);
                     }
+                    failed.extend(done.failed.iter().map(|(i, e)| self.handler_failure(*i, e)));
+                    // Past the savepoint budget: optimistic again, failures are rare.
+                    queue.push_front((done.rest, Mode::Optimistic));
                 }
+                // Linear in failures: the rest runs again at once, in groups under savepoints,
+                // so a later failure undoes its group only, not everything before it.
                 Err(TxError::Handler(i, e)) => {
-                    // Linear in failures: what ran before the failing message runs again and
-                    // commits; what comes after it goes on in chunks about twice the
-                    // failure-free stretch just seen, so that a later failure rolls back (and
-                    // re-claims) one chunk, not everything that is left.
-                    let at = active.iter().position(|&a| a == i).unwrap_or(0);
-                    let chunk = ((at + 1) * 2).max(MIN_CHUNK);
-                    for rest in active[at + 1..].chunks(chunk).rev() {
-                        queue.push_front(rest.to_vec());
-                    }
-                    queue.push_front(active[..at].to_vec());
+                    queue.push_front((without(&[i]), Mode::Savepoints));
                     failed.push(self.handler_failure(i, &e));
                 }
                 Err(TxError::Handlers(errors)) => {
-                    let rest: Vec<usize> = active
-                        .iter()
-                        .copied()
-                        .filter(|a| !errors.iter().any(|(i, _)| i == a))
-                        .collect();
-                    queue.push_front(rest);
+                    let blamed: Vec<usize> = errors.iter().map(|(i, _)| *i).collect();
+                    queue.push_front((without(&blamed), mode));
                     failed.extend(errors.iter().map(|(i, e)| self.handler_failure(*i, e)));
                 }
                 Err(TxError::Isolate(e)) if active.len() > 1 => {
                     tracing::debug!(error = %e, batch = active.len(), "batch failed without a culprit; one message per transaction");
                     for &i in active.iter().rev() {
-                        queue.push_front(vec![i]);
+                        queue.push_front((vec![i], Mode::Optimistic));
                     }
                 }
                 Err(TxError::Isolate(e)) => failed.push(self.handler_failure(active[0], &e)),
                 Err(TxError::Transient(e)) if transient_retries < MAX_TRANSIENT_RETRIES => {
                     transient_retries += 1;
                     tracing::debug!(error = %e, "batch transaction conflict, running it again");
-                    queue.push_front(active);
+                    queue.push_front((active, mode));
                 }
                 Err(TxError::Transient(error) | TxError::Outage(error)) => {
                     db.discard();
@@ -421,13 +444,29 @@ impl<H: BatchHandler> Processor<H> {
         &self,
         items: &[Parsed],
         active: &[usize],
+        mode: Mode,
         db: &mut LaneConnection,
-    ) -> Result<Vec<(usize, Outcome)>, TxError> {
+    ) -> Result<Committed, TxError> {
         let mut tx = db
             .begin()
             .await
             .map_err(|e| TxError::Outage(e.to_string()))?;
-        let mut result = self.apply(items, active, &mut tx).await;
+        let mut result = match mode {
+            Mode::Optimistic => self
+                .apply(items, active, &mut tx)
+                .await
+                .map(|(decided, txid)| {
+                    (
+                        Committed {
+                            decided,
+                            failed: Vec::new(),
+                            rest: Vec::new(),
+                        },
+                        txid,
+                    )
+                }),
+            Mode::Savepoints => self.apply_in_groups(items, active, &mut tx).await,
+        };
         if let Ok((_, Some(txid))) = &result {
             // One check per batch, only when a handler ran: the transaction must still be the
             // one that claimed. PostgreSQL answers COMMIT on an aborted transaction with a
@@ -440,7 +479,7 @@ impl<H: BatchHandler> Processor<H> {
             }
         }
         match result {
-            Ok((decided, _)) => {
+            Ok((committed, _)) => {
                 // A failed commit leaves the outcome unknown: report Unrecorded, the message
                 // comes back, and the inbox tells on redelivery whether it committed. Only a
                 // deferred constraint is known to have failed for the data's sake.
@@ -450,7 +489,7 @@ impl<H: BatchHandler> Processor<H> {
                     }
                     _ => TxError::Outage(e.to_string()),
                 })?;
-                Ok(decided)
+                Ok(committed)
             }
             Err(e) => {
                 // Roll back now, not lazily on the connection's next use: the failures are
@@ -464,6 +503,64 @@ impl<H: BatchHandler> Processor<H> {
                 Err(e)
             }
         }
+    }
+
+    /// The batch transaction's work after a failure: the messages in groups of [`GROUP`], each
+    /// under a savepoint. A group whose handler blames a message is rolled back to its
+    /// savepoint (claims, reclaims and effects alike) and runs again without it; the others
+    /// are untouched. Stops after [`MAX_SAVEPOINTS`] (each is a subtransaction, and PostgreSQL
+    /// tracks only 64 per transaction cheaply) and hands the rest back.
+    async fn apply_in_groups(
+        &self,
+        items: &[Parsed],
+        active: &[usize],
+        tx: &mut PgConnection,
+    ) -> Result<(Committed, Option<i64>), TxError> {
+        let mut done = Committed {
+            decided: Vec::with_capacity(active.len()),
+            failed: Vec::new(),
+            rest: Vec::new(),
+        };
+        let mut txid = None;
+        let mut savepoints = 0;
+        let mut groups: VecDeque<Vec<usize>> =
+            active.chunks(GROUP).map(<[usize]>::to_vec).collect();
+        while let Some(group) = groups.pop_front() {
+            if group.is_empty() {
+                continue;
+            }
+            if savepoints == MAX_SAVEPOINTS {
+                done.rest = group
+                    .into_iter()
+                    .chain(groups.into_iter().flatten())
+                    .collect();
+                break;
+            }
+            savepoint(tx, "SAVEPOINT inbox_group").await?;
+            savepoints += 1;
+            let blamed = match self.apply(items, &group, tx).await {
+                Ok((decided, t)) => {
+                    done.decided.extend(decided);
+                    txid = t.or(txid);
+                    continue;
+                }
+                // A panic may have left the connection mid-statement: not worth trusting.
+                Err(TxError::Handler(_, e)) if e.code() == HANDLER_PANICKED => {
+                    return Err(TxError::Isolate(e));
+                }
+                Err(TxError::Handler(i, e)) => vec![(i, e)],
+                Err(TxError::Handlers(errors)) => errors,
+                Err(other) => return Err(other),
+            };
+            savepoint(tx, "ROLLBACK TO SAVEPOINT inbox_group").await?;
+            let rest: Vec<usize> = group
+                .into_iter()
+                .filter(|g| !blamed.iter().any(|(i, _)| i == g))
+                .collect();
+            groups.push_front(rest);
+            done.failed.extend(blamed);
+        }
+        Ok((done, txid))
     }
 
     /// The batch transaction's work: claims, decisions, handlers, marks. Returns the outcomes
@@ -910,6 +1007,15 @@ impl FailureTxError {
             _ => FailureTxError::Outage(e.to_string()),
         }
     }
+}
+
+/// Runs a savepoint statement of the runtime's own.
+async fn savepoint(tx: &mut PgConnection, statement: &'static str) -> Result<(), TxError> {
+    sqlx::raw_sql(statement)
+        .execute(tx)
+        .await
+        .map(|_| ())
+        .map_err(|e| TxError::from_db(&e, &e.to_string()))
 }
 
 /// The outcome of a copy of a parked row: parked again with the row's reason.
