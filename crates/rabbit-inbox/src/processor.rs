@@ -3,10 +3,10 @@
 //! One transaction per batch: claim all keys with one multi-row insert (new rows go in
 //! PROCESSED, invisible until the commit that carries the effect), run the handler for the new
 //! ones, check the transaction is still the one that claimed, commit once. When the handler
-//! fails for one message the batch rolls back and the work splits there: the messages before
-//! it run again and commit, the failing one is recorded, the rest continue as a new batch. So
-//! each handler runs at most twice per message on average, however many messages fail. The
-//! failures of a round are recorded together in one short transaction afterwards.
+//! fails for one message the batch rolls back and runs again without it, in groups under
+//! savepoints, so that a further failure undoes its own group only. Each handler runs at most
+//! about twice per message, however many messages fail. The failures of a round are recorded
+//! together in one short transaction afterwards.
 
 use std::{
     collections::{HashMap, VecDeque},
