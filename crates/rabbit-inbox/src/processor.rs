@@ -544,9 +544,10 @@ impl<H: BatchHandler> Processor<H> {
                     txid = t.or(txid);
                     continue;
                 }
-                // A panic may have left the connection mid-statement: not worth trusting.
-                Err(TxError::Handler(_, e)) if e.code() == HANDLER_PANICKED => {
-                    return Err(TxError::Isolate(e));
+                // A panic may have left the connection mid-statement: the whole transaction
+                // goes (and the connection with it), and the rest runs again without it.
+                Err(TxError::Handler(i, e)) if e.code() == HANDLER_PANICKED => {
+                    return Err(TxError::Handler(i, e));
                 }
                 Err(TxError::Handler(i, e)) => vec![(i, e)],
                 Err(TxError::Handlers(errors)) => errors,

@@ -801,3 +801,53 @@ async fn batch_handler_refusing_several_messages_reruns_the_batch_once() {
     }
     assert_eq!(env.depths(&topology).await, EMPTY);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn panic_after_an_earlier_failure_is_parked_and_the_rest_processed() {
+    // The first failure sends the rest of the batch through groups under savepoints; a panic
+    // there must still be charged to its own message only.
+    let env = TestEnv::new().await;
+    let mut config = env.config("svc", env.topology("panic-later"));
+    config.lanes = 1;
+    config.max_batch_delay = Duration::from_millis(500);
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    let handler = Hostile::new(&env);
+    handler.act("m01", Act::Raise("22023"));
+    handler.act("m13", Act::Panic);
+    handler.act("m17", Act::Raise("23505"));
+    let ids: Vec<String> = (0..24).map(|i| format!("m{i:02}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    publish_all(&env, &topology, &refs).await;
+    let consumer = env.start(config, handler.clone());
+    let parked = env.take_parked(&topology, 3).await;
+    wait_for("the rest processed", async || {
+        consumer.snapshot().processed == 21
+    })
+    .await;
+    let stats = consumer.stop().await;
+
+    for (id, code) in [
+        ("m01", "db_invalid_data"),
+        ("m13", HANDLER_PANICKED),
+        ("m17", "db_constraint"),
+    ] {
+        let row = env.record("svc", id).await.expect("row");
+        assert_eq!(row.status, InboxStatus::PermanentFailed, "{id}");
+        assert_eq!(row.last_error_code.as_deref(), Some(code), "{id}");
+        assert_eq!(env.effects(id).await, 0, "{id}");
+    }
+    for id in &ids {
+        if !["m01", "m13", "m17"].contains(&id.as_str()) {
+            assert_eq!(env.effects(id).await, 1, "{id} applied exactly once");
+        }
+    }
+    assert_eq!(parked.len(), 3);
+    assert!(
+        handler.total_calls() <= 2 * 24,
+        "{} runs",
+        handler.total_calls()
+    );
+    assert_eq!(stats.sessions, 1);
+    assert_eq!(env.depths(&topology).await, EMPTY);
+}
