@@ -193,7 +193,7 @@ pub trait Handler: Send + Sync + 'static {
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum BatchError {
     /// The message at `index` (into the slice the handler got) failed. The batch is rolled
-    /// back and run again without it; it is recorded as failed.
+    /// back and run again without it, in groups under savepoints; it is recorded as failed.
     #[error("message {index} of the batch failed: {error}")]
     Message {
         /// Index into the handler's slice.
@@ -218,7 +218,9 @@ pub enum BatchError {
 ///
 /// `msgs` holds only messages whose effect is due (duplicates are already filtered out), in
 /// delivery order. After a failure the batch runs again without the failing message, so keep
-/// effects inside `tx`.
+/// effects inside `tx`; after a single-message failure ([`BatchError::Message`]) it runs in
+/// groups of 8 under savepoints, so `msgs` can then be a part of the batch. Name every refused
+/// message at once with [`BatchError::Messages`] to keep whole batches.
 pub trait BatchHandler: Send + Sync + 'static {
     /// Applies the effects of `msgs` inside the open transaction.
     fn handle_batch(
