@@ -20,6 +20,7 @@ use sqlx::PgPool;
 use tokio::{sync::mpsc, task::JoinSet, time::Instant};
 
 use crate::{
+    backoff::Backoff,
     broker::{self, PendingDelivery, Session, Settler},
     config::ConsumerConfig,
     envelope::{self, AmqpMessage},
@@ -111,42 +112,47 @@ impl<H: BatchHandler> Consumer<H> {
     /// exists with other arguments) ends the run with an error.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ConsumerError> {
         let mut shutdown = std::pin::pin!(shutdown);
-        let mut delay = self.config.reconnect_initial_delay;
+        let backoff = Backoff::new(
+            self.config.reconnect_initial_delay,
+            self.config.reconnect_max_delay,
+        );
         loop {
             let opened = tokio::select! {
                 biased;
                 () = &mut shutdown => return Ok(()),
                 opened = Session::open(&self.amqp_url, &self.config) => opened,
             };
-            match opened {
+            let delay = match opened {
                 Ok(session) => {
                     self.stats.record_session();
                     tracing::info!(queue = %self.config.topology.queue, consumer = %self.config.consumer_name, "consuming");
                     let began = Instant::now();
-                    match self.session(session, &mut shutdown).await {
-                        SessionEnd::Shutdown => return Ok(()),
-                        SessionEnd::Lost(reason) => {
-                            tracing::warn!(%reason, retry_in = ?delay, "broker session lost; reconnecting");
-                        }
-                    }
+                    let SessionEnd::Lost(reason) = self.session(session, &mut shutdown).await
+                    else {
+                        return Ok(());
+                    };
                     // Only a session that lived through the longest back-off resets it: one
                     // that dies right away (a delivery that breaks it, a broker that closes
                     // it) must not make reconnecting a hot loop.
                     if began.elapsed() >= self.config.reconnect_max_delay {
-                        delay = self.config.reconnect_initial_delay;
+                        backoff.succeeded();
                     }
+                    let delay = backoff.failed();
+                    tracing::warn!(%reason, retry_in = ?delay, "broker session lost; reconnecting");
+                    delay
                 }
                 Err(e) if broker::is_fatal(&e) => return Err(e.into()),
                 Err(e) => {
+                    let delay = backoff.failed();
                     tracing::warn!(error = %e, retry_in = ?delay, "cannot open broker session");
+                    delay
                 }
-            }
+            };
             tokio::select! {
                 biased;
                 () = &mut shutdown => return Ok(()),
                 () = tokio::time::sleep(delay) => {}
             }
-            delay = (delay * 2).min(self.config.reconnect_max_delay);
         }
     }
 
@@ -297,8 +303,7 @@ struct LaneContext<H> {
 }
 
 async fn lane<H: BatchHandler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
-    let (initial, max) = ctx.backoff;
-    let mut unrecorded_delay = initial;
+    let unrecorded = Backoff::new(ctx.backoff.0, ctx.backoff.1);
     let mut db = ctx.processor.lane_connection();
     while let Some(first) = rx.recv().await {
         let mut batch = vec![first];
@@ -328,11 +333,11 @@ async fn lane<H: BatchHandler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>
             .iter()
             .any(|o| matches!(o, Outcome::Unrecorded { .. }))
         {
-            tracing::warn!(retry_in = ?unrecorded_delay, "database unavailable; requeueing after back-off");
-            tokio::time::sleep(unrecorded_delay).await;
-            unrecorded_delay = (unrecorded_delay * 2).min(max);
+            let delay = unrecorded.failed();
+            tracing::warn!(retry_in = ?delay, "database unavailable; requeueing after back-off");
+            tokio::time::sleep(delay).await;
         } else {
-            unrecorded_delay = initial;
+            unrecorded.succeeded();
         }
 
         ctx.stats.record_outcomes(&ctx.consumer, &outcomes);

@@ -34,6 +34,7 @@
 //! # Ok(()) }
 //! ```
 
+mod backoff;
 mod broker;
 mod canonical_json;
 mod config;

@@ -3,7 +3,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    sync::{Arc, Mutex, PoisonError},
+    sync::Arc,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
@@ -16,6 +16,7 @@ use lapin::{
 
 use super::{headers::long_string, publish::Publisher, session::PendingDelivery};
 use crate::{
+    backoff::Backoff,
     config::{ConsumerConfig, RetryPolicy},
     envelope::Envelope,
     processor::Outcome,
@@ -63,36 +64,6 @@ pub(crate) struct Settler {
     retry: RetryPolicy,
     consumer: Arc<str>,
     publish_backoff: Backoff,
-}
-
-/// Doubling delay after consecutive failed publishes, reset by a successful one: a broker
-/// that refuses copies must not turn into a hot requeue loop.
-struct Backoff {
-    initial: Duration,
-    max: Duration,
-    next: Mutex<Duration>,
-}
-
-impl Backoff {
-    fn new(initial: Duration, max: Duration) -> Self {
-        Self {
-            initial,
-            max,
-            next: Mutex::new(initial),
-        }
-    }
-
-    /// The delay to wait now; the next one doubles.
-    fn failed(&self) -> Duration {
-        let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
-        let now = *next;
-        *next = (now * 2).min(self.max);
-        now
-    }
-
-    fn succeeded(&self) {
-        *self.next.lock().unwrap_or_else(PoisonError::into_inner) = self.initial;
-    }
 }
 
 /// Acks with `multiple=true`, but only over the contiguous prefix of delivery tags whose
