@@ -107,16 +107,7 @@ impl Handler for Hostile {
             *n
         };
         let s = &self.schema;
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO \"{s}\".effects (message_id, consumer_name, message_type, attempt, body) \
-             VALUES ($1, $2, $3, $4, '')"
-        )))
-        .bind(&id)
-        .bind(msg.consumer_name())
-        .bind(msg.message_type())
-        .bind(msg.attempt())
-        .execute(&mut *tx)
-        .await?;
+        insert_effect(tx, s, msg).await?;
         let act = self.acts.lock().expect("lock").get(&id).copied();
         match act {
             None => {}
@@ -143,6 +134,25 @@ impl Handler for Hostile {
         }
         Ok(())
     }
+}
+
+/// One `effects` row for `msg`, in the transaction.
+async fn insert_effect(
+    tx: &mut PgConnection,
+    schema: &SchemaName,
+    msg: &InboxMessage<'_>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".effects (message_id, consumer_name, message_type, attempt, body) \
+         VALUES ($1, $2, $3, $4, '')"
+    )))
+    .bind(msg.message_id())
+    .bind(msg.consumer_name())
+    .bind(msg.message_type())
+    .bind(msg.attempt())
+    .execute(tx)
+    .await
+    .map(|_| ())
 }
 
 /// Publishes `ids` as `Thing` messages.
@@ -277,18 +287,9 @@ impl BatchHandler for PanickingBatch {
             if m.message_id() == "boom" {
                 panic!("batch with boom");
             }
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO \"{}\".effects (message_id, consumer_name, message_type, attempt, body) \
-                 VALUES ($1, $2, $3, $4, '')",
-                self.0
-            )))
-            .bind(m.message_id())
-            .bind(m.consumer_name())
-            .bind(m.message_type())
-            .bind(m.attempt())
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| BatchError::Batch(e.into()))?;
+            insert_effect(tx, &self.0, m)
+                .await
+                .map_err(|e| BatchError::Batch(e.into()))?;
         }
         Ok(())
     }
