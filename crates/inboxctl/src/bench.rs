@@ -86,7 +86,11 @@ pub(crate) async fn run(servers: &Servers, args: BenchArgs) -> anyhow::Result<Ex
         schema: SchemaName::new(args.schema)?,
         queue_prefix: "inbox-bench".into(),
     };
-    let pool = connect::postgres(&servers.database_url).await?;
+    let pool = connect::postgres(
+        &servers.database_url,
+        connect::pool_size(args.lanes.unwrap_or(0)),
+    )
+    .await?;
     connect::rabbitmq(&servers.amqp_url).await?.close().await;
     let report = inbox_bench::run(&servers.amqp_url, &pool, &options, |line| {
         eprintln!("{line}")

@@ -15,7 +15,16 @@ fn address(url: &str) -> &str {
     rest.rsplit_once('@').map_or(rest, |(_, host)| host)
 }
 
-pub(crate) async fn postgres(url: &str) -> anyhow::Result<PgPool> {
+/// Pool size for a command that runs a consumer with `lanes` lanes (0 for none): each lane
+/// holds one connection while it runs, and the handler and the tool need a few more.
+pub(crate) fn pool_size(lanes: usize) -> u32 {
+    u32::try_from(lanes)
+        .unwrap_or(u32::MAX)
+        .saturating_add(6)
+        .max(8)
+}
+
+pub(crate) async fn postgres(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
     let options: PgConnectOptions = url
         .parse()
         .map_err(|e| anyhow!("invalid DATABASE_URL {}: {e}", address(url)))?;
@@ -23,7 +32,7 @@ pub(crate) async fn postgres(url: &str) -> anyhow::Result<PgPool> {
     // what is slow for an operator.
     let options = options.log_slow_statements(log::LevelFilter::Warn, Duration::from_secs(10));
     PgPoolOptions::new()
-        .max_connections(8)
+        .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(5))
         .connect_with(options)
         .await
@@ -49,7 +58,7 @@ pub(crate) async fn rabbitmq(url: &str) -> anyhow::Result<Broker> {
 
 #[cfg(test)]
 mod tests {
-    use super::address;
+    use super::{address, pool_size};
 
     #[test]
     fn address_hides_credentials() {
@@ -58,5 +67,14 @@ mod tests {
             "10.0.0.1:5672/%2f"
         );
         assert_eq!(address("postgres://127.0.0.1:5432/db"), "127.0.0.1:5432/db");
+    }
+
+    #[test]
+    fn pool_has_room_beyond_the_lanes() {
+        assert_eq!(pool_size(0), 8);
+        assert_eq!(pool_size(2), 8);
+        for lanes in [2, 8, 16, 256] {
+            assert!(pool_size(lanes) as usize > lanes, "{lanes}");
+        }
     }
 }

@@ -184,14 +184,15 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
     match cli.command {
         Command::Migrate { schema } => {
             let schema = SchemaName::new(schema)?;
-            let pool = connect::postgres(&servers.database_url).await?;
+            let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
             migrate_service(&pool, &schema).await?;
             println!("schema {schema} is up to date");
             Ok(ExitCode::SUCCESS)
         }
         Command::Consume(args) => {
             let config = args.config()?;
-            let pool = connect::postgres(&servers.database_url).await?;
+            let pool =
+                connect::postgres(&servers.database_url, connect::pool_size(config.lanes)).await?;
             connect::rabbitmq(&servers.amqp_url).await?.close().await;
             migrate_service(&pool, &config.schema).await?;
             let handler = order_service::OrderHandler::new(config.schema.clone());
@@ -232,7 +233,7 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
         }
         Command::Verify { schema } => {
             let schema = SchemaName::new(schema)?;
-            let pool = connect::postgres(&servers.database_url).await?;
+            let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
             let v = order_service::verify(&pool, &schema).await?;
             println!("{v:#?}");
             if v.exactly_once() {
@@ -269,7 +270,7 @@ pub(crate) async fn clean_slate(
     servers: &Servers,
     config: &rabbit_inbox::ConsumerConfig,
 ) -> anyhow::Result<(sqlx::PgPool, Broker)> {
-    let pool = connect::postgres(&servers.database_url).await?;
+    let pool = connect::postgres(&servers.database_url, connect::pool_size(config.lanes)).await?;
     rabbit_inbox::drop_schema(&pool, &config.schema).await?;
     migrate_service(&pool, &config.schema).await?;
     // A connection of its own for the deletes: the declarations below must not depend on how

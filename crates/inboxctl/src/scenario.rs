@@ -26,7 +26,7 @@ pub(crate) const EXPIRATION_MS: u64 = 20_000;
 /// Hostile inputs the stream (or the run) can carry on top of the ordinary stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub(crate) enum Hostile {
-    /// A header nested `DEEP_HEADER_LEVELS` arrays deep: parked as `headers_too_deep`.
+    /// A header nested 100 arrays deep: parked as `headers_too_deep`.
     DeepHeaders,
     /// A 5 KB incompressible `x-aggregate-id`, alone and with long causation, tenant,
     /// traceparent and type headers and a 255-byte correlation id: parked with a row.
