@@ -4,7 +4,9 @@
 //! exactly-once after every run. `inboxctl bench` is its command line.
 
 mod baseline;
+pub mod outbox;
 mod procfs;
+pub mod retention;
 mod workload;
 
 use std::{

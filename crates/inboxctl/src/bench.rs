@@ -5,7 +5,7 @@ use std::{process::ExitCode, time::Duration};
 use clap::Args;
 use rabbit_inbox::SchemaName;
 
-use crate::{Servers, connect};
+use inbox_chaos::{Servers, connect};
 
 #[derive(Args)]
 pub(crate) struct BenchArgs {
@@ -50,12 +50,23 @@ pub(crate) struct BenchArgs {
     /// (repeatable, e.g. --prefill 1000000 --prefill 10000000).
     #[arg(long)]
     prefill: Vec<u64>,
-    /// Modes to run, comma-separated: ceiling, textbook, per-message, batch (default: all).
+    /// Modes to run, comma-separated: ceiling, textbook, per-message, batch (default: all
+    /// four), and outbox: a plain confirmed publisher against the outbox relay (NOTIFY, and
+    /// polling), plus the commit rate of outbox transactions with and without NOTIFY.
     #[arg(long, value_delimiter = ',')]
     modes: Vec<String>,
+    /// Outbox mode: concurrent writer transactions.
+    #[arg(long, default_value_t = 4)]
+    writers: usize,
+    /// Outbox mode: messages enqueued per transaction.
+    #[arg(long, default_value_t = 10)]
+    per_transaction: usize,
     /// PostgreSQL schema of the benchmark (recreated for every run).
     #[arg(long, default_value = "inbox_bench")]
     schema: String,
+    /// Prefix of the benchmark's queue names, so runs side by side on one broker do not meet.
+    #[arg(long, default_value = "inbox-bench")]
+    queue_prefix: String,
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
@@ -67,6 +78,43 @@ pub(crate) async fn run(servers: &Servers, args: BenchArgs) -> anyhow::Result<Ex
     }
     if !(0.0..=0.5).contains(&args.failures) {
         anyhow::bail!("--failures must be between 0 and 0.5");
+    }
+    let outbox = args.modes.iter().any(|m| m == "outbox");
+    let modes: Vec<String> = args
+        .modes
+        .iter()
+        .filter(|m| *m != "outbox")
+        .cloned()
+        .collect();
+    let pool = connect::postgres(
+        &servers.database_url,
+        connect::pool_size(args.lanes.unwrap_or(0).max(args.writers)),
+    )
+    .await?;
+    connect::rabbitmq(&servers.amqp_url).await?.close().await;
+    let mut exactly_once = true;
+    if outbox {
+        let options = inbox_bench::outbox::OutboxOptions {
+            messages: args.messages,
+            payload_size: args.payload_size,
+            writers: args.writers,
+            per_transaction: args.per_transaction,
+            runs: args.runs,
+            schema: SchemaName::new(format!("{}_outbox", args.schema))?,
+            queue: "inbox-bench-outbox".into(),
+        };
+        let report = inbox_bench::outbox::run(&servers.amqp_url, &pool, &options, |line| {
+            eprintln!("{line}")
+        })
+        .await?;
+        println!("{report}");
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        }
+        exactly_once &= report.exactly_once();
+        if modes.is_empty() {
+            return Ok(verdict(exactly_once));
+        }
     }
     let options = inbox_bench::BenchOptions {
         messages: args.messages,
@@ -82,29 +130,27 @@ pub(crate) async fn run(servers: &Servers, args: BenchArgs) -> anyhow::Result<Ex
         low_load_rate: args.low_load_rate,
         low_load_duration: Duration::from_secs(args.low_load_secs),
         prefill: args.prefill,
-        modes: args.modes,
+        modes,
         schema: SchemaName::new(args.schema)?,
-        queue_prefix: "inbox-bench".into(),
+        queue_prefix: args.queue_prefix,
     };
-    let pool = connect::postgres(
-        &servers.database_url,
-        connect::pool_size(args.lanes.unwrap_or(0)),
-    )
-    .await?;
-    connect::rabbitmq(&servers.amqp_url).await?.close().await;
     let report = inbox_bench::run(&servers.amqp_url, &pool, &options, |line| {
         eprintln!("{line}")
     })
     .await?;
     println!("{report}");
-    let exactly_once = report.exactly_once();
+    exactly_once &= report.exactly_once();
     if args.json {
         println!("{}", report.json());
     }
-    Ok(if exactly_once {
+    Ok(verdict(exactly_once))
+}
+
+fn verdict(exactly_once: bool) -> ExitCode {
+    if exactly_once {
         ExitCode::SUCCESS
     } else {
         eprintln!("exactly-once check FAILED");
         ExitCode::FAILURE
-    })
+    }
 }

@@ -10,7 +10,9 @@ use anyhow::Context;
 use clap::Args;
 use rabbit_inbox::{Consumer, SchemaName};
 
-use crate::{Servers, clean_slate, log_capture::LogCapture, publish_all, scenario::Scenario};
+use inbox_chaos::{Servers, clean_slate, publish_all, scenario::Scenario};
+
+use crate::log_capture::LogCapture;
 
 #[derive(Args)]
 pub(crate) struct DemoArgs {

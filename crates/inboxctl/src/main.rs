@@ -1,19 +1,33 @@
 //! `inboxctl`: operator CLI for rabbit-inbox. Thin glue over the library and the example
 //! service; each subcommand lives in its own module.
 
+mod actor;
 mod bench;
-mod chaos;
-mod connect;
+mod bench_retention;
+mod cleanup;
 mod demo;
+mod doctor;
+mod failures;
+mod grants;
+mod list;
 mod log_capture;
-mod scenario;
-mod soak;
+mod outbox;
+mod recover;
+mod redrive;
+mod reopen;
+mod report;
+mod serve;
+mod show;
+mod status;
+mod telemetry;
+mod when;
 
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
-use rabbit_inbox::{Broker, Consumer, SchemaName};
+use inbox_chaos::{Servers, chaos, connect, migrate_service, scenario, soak};
+use rabbit_inbox::{Consumer, RelayConfig, SchemaName};
 
 /// Operator CLI for rabbit-inbox: exactly-once RabbitMQ consumers on a PostgreSQL inbox.
 #[derive(Parser)]
@@ -25,27 +39,6 @@ struct Cli {
     command: Command,
 }
 
-/// Where PostgreSQL and RabbitMQ are.
-#[derive(Args, Clone)]
-pub(crate) struct Servers {
-    /// PostgreSQL connection URL.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        global = true,
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    pub(crate) database_url: String,
-    /// RabbitMQ connection URL.
-    #[arg(
-        long,
-        env = "AMQP_URL",
-        global = true,
-        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
-    )]
-    pub(crate) amqp_url: String,
-}
-
 #[derive(Subcommand)]
 enum Command {
     /// Create the inbox schema and tables (and the example service's tables).
@@ -54,8 +47,19 @@ enum Command {
         #[arg(long, env = "INBOX_SCHEMA", default_value = "order_service")]
         schema: String,
     },
-    /// Run the example order-service consumer until SIGINT/SIGTERM, then drain and exit.
-    Consume(ServiceArgs),
+    /// Run the example order-service consumer until SIGINT/SIGTERM, then drain and exit. It
+    /// emits `OrderPaid` through its outbox; `--relay` also publishes the outbox in this process.
+    /// Optionally serves Prometheus metrics and exports delivery spans over OTLP.
+    Consume(ConsumeArgs),
+    /// Run the example shipping-service consumer (downstream of order-service's `OrderPaid`
+    /// events, with its own inbox) until SIGINT/SIGTERM.
+    ConsumeShipping(ShippingArgs),
+    /// Run an outbox relay until SIGINT/SIGTERM: publish committed outbox rows with publisher
+    /// confirms (returned = failed), under a lease, so any number of relays can run at once.
+    Relay(outbox::RelayArgs),
+    /// Show an outbox: pending and failed counts, the oldest pending row's age, and the pending
+    /// and failed rows (a table, or --json); --requeue-failed puts FAILED rows back.
+    Outbox(outbox::OutboxArgs),
     /// Publish a stream of example messages (with duplicates, out-of-order payments and
     /// poison messages) to the example service's exchange.
     Publish {
@@ -91,6 +95,104 @@ enum Command {
     /// percentiles per interval; exit code 1 if memory keeps growing or effects are not
     /// exactly-once.
     Soak(soak::SoakArgs),
+    /// Inbox status per consumer and status: row counts, age of the oldest unfinished row,
+    /// stale PROCESSING rows, the last hour's failures, duplicates and payload conflicts, and
+    /// (with --queue) the work queue's and parking lot's depths.
+    #[command(
+        after_help = "Example:\n  inboxctl status --schema billing --consumer invoicer --queue invoices"
+    )]
+    Status(status::StatusArgs),
+    /// List inbox rows by consumer, status, type, error code, aggregate, tenant and time,
+    /// oldest first, a page at a time (pass the printed cursor for the next page). Without
+    /// --status, every status but PROCESSED.
+    #[command(
+        after_help = "Examples:\n  inboxctl list --schema billing --status POISONED --type InvoiceIssued --since 2h\n  inboxctl list --schema billing --json --limit 100 --cursor <next_cursor>"
+    )]
+    List(list::ListArgs),
+    /// Show one message: its inbox row for every consumer (or --consumer), its payload if
+    /// kept, tombstones, the audit trail, and where it is on the broker. Exit code 1 if the
+    /// inbox has no trace of it.
+    #[command(
+        after_help = "Example:\n  inboxctl show 7f3c2a9e-invoice-42 --schema billing --queue invoices"
+    )]
+    Show(show::ShowArgs),
+    /// Failed rows (retrying, permanently failed, poisoned) grouped by consumer, status,
+    /// message type and error code, largest group first, with a sample of each.
+    #[command(after_help = "Example:\n  inboxctl failures --schema billing --consumer invoicer")]
+    Failures(failures::FailuresArgs),
+    /// Move parked messages back to the work queue after a fix. Each parked copy is classified
+    /// against its inbox row: parked row -> reopened (audited) and moved; row already open ->
+    /// moved; PROCESSED -> left in place (a finding; --drop-processed removes it); row removed
+    /// by retention or unknown -> refused unless --force. Each move is published with a
+    /// confirm before the parked copy is acked, so a redrive killed midway loses nothing and
+    /// the inbox drops any second copy. Moving needs --actor and --reason; exit code 1 if any
+    /// message was refused.
+    #[command(
+        after_help = "Examples:\n  inboxctl redrive --schema billing --queue invoices --dry-run\n  inboxctl redrive --schema billing --queue invoices --error-code tax_lookup_failed --rate 50 \\\n      --actor alice --reason 'tax service fixed' --ticket INC-7"
+    )]
+    Redrive(redrive::RedriveArgs),
+    /// Reopen one inbox row so that the next delivery of its message runs the handler again
+    /// (attempts reset), audited with --actor and --reason. A PROCESSED row needs
+    /// --force-replay (its effect applies again); the row is never deleted. Exit code 1 if
+    /// refused.
+    #[command(
+        after_help = "Example:\n  inboxctl reopen invoice-42 --schema billing --consumer invoicer --actor alice --reason 'customer disputed, re-run'"
+    )]
+    Reopen(reopen::ReopenArgs),
+    /// Recover messages whose path was lost: PROCESSING rows whose lease expired (a worker
+    /// died or paused past its lease) and RETRYABLE_FAILED rows whose retry copy never came
+    /// back (a deleted retry tier, a dropped dead-letter). Each is republished from its stored
+    /// payload to the work queue (--policy retry) or moved to MANUAL_REVIEW
+    /// (--policy manual-review), and audited. Exit code 1 if a row could not be recovered.
+    #[command(
+        after_help = "Example:\n  inboxctl recover --schema billing --consumer billing-svc \\\n    \
+        --queue billing.commands --retry-delays 1s,5s,30s,2m,10m --actor alice \\\n    \
+        --reason \"retry tier deleted by mistake\" --ticket INC-42 --dry-run"
+    )]
+    Recover(recover::RecoverArgs),
+    /// Retention for one consumer: scrub payloads, remove expired rows (tombstones kept;
+    /// archived with --archive), expire tombstones. Bounded batches, safe beside running
+    /// consumers, one cleaner at a time. Refused (exit 2) when the dedup window is shorter
+    /// than the redelivery horizon, unless forced with an actor and a reason (audited).
+    #[command(after_help = "Examples:\n  \
+        inboxctl cleanup --schema order_service --consumer order-service --dry-run\n  \
+        inboxctl cleanup --schema order_service --consumer order-service \\\n    \
+        --processed-retention 30days --scrub-after 3days --type-retention ledger.entry=90days --archive")]
+    Cleanup(cleanup::CleanupArgs),
+    /// Measure retention at scale: fill an inbox in a scratch schema (10 million rows by
+    /// default), run a consumer-like claim load alone, then beside `cleanup`; print the delete
+    /// rate, the load's latency and throughput during cleanup against the load alone, and the
+    /// plain LIMIT delete loop's per-batch cost for comparison.
+    #[command(after_help = "Example:\n  inboxctl bench-retention --rows 10000000 --batch 5000")]
+    BenchRetention(bench_retention::BenchRetentionArgs),
+    /// Print the least-privilege grants of a role kind (consumer, retention, operator,
+    /// admin) on an inbox schema, as SQL for psql.
+    #[command(after_help = "Example:\n  \
+        inboxctl grants --schema order_service --role consumer --grantee order_service_app | psql")]
+    Grants(grants::GrantsArgs),
+    /// The admin HTTP API and dashboard: /healthz, /readyz, /metrics, JSON inspection and
+    /// operator actions under /api/v1 (OpenAPI at /api/v1/openapi.json), the dashboard at /.
+    /// Reads need a read or admin bearer token, actions an admin token and a reason (audited
+    /// under the token's name). Without tokens only a loopback address may be bound, and
+    /// actions are refused.
+    #[command(after_help = "Example:\n  \
+        INBOX_ADMIN_READ_TOKENS=grafana=<secret> INBOX_ADMIN_ADMIN_TOKENS=alice=<secret> \\\n    \
+        inboxctl serve --listen 0.0.0.0:9464 --schema billing --queue billing.commands")]
+    Serve(serve::ServeArgs),
+    /// Check a live installation against the inbox review checklist: schema (migrations
+    /// current, primary key with consumer_name, indexes, validated status check), the broker
+    /// topology as the broker has it (read through the management API, port 15672: dead-letter
+    /// routes, retry tier TTLs, parking lot, queue types, quorum delivery limit), retention
+    /// against the redelivery horizon, rows recovery would pick up, the parking lot against
+    /// the parked rows both ways (read and put back, nothing consumed), and stored payloads
+    /// against the payload policy. Changes nothing. Prints pass/warn/fail per check (or
+    /// --json). Exit code 0 all pass, 1 any fail, 3 warnings only, 2 could not run.
+    #[command(after_help = "Example:\n  \
+        inboxctl doctor --schema billing --consumer invoicer --queue invoices \\\n    \
+        --retry-delays 1s,5s,30s,2m,10m --processed-retention 30days --replay-window 14days\n\n\
+        Exit codes: 0 every check passed, 1 at least one failed, 3 warnings only, 2 the \
+        command could not run (e.g. PostgreSQL unreachable).")]
+    Doctor(doctor::DoctorArgs),
 }
 
 /// Where the example service lives.
@@ -114,6 +216,47 @@ pub(crate) struct ServiceArgs {
     /// Unacked deliveries the broker may push [default: the library's]
     #[arg(long)]
     pub(crate) prefetch: Option<u16>,
+    /// Retry tier delays, comma-separated [default: the example's 1s,2s,5s,10s]; five attempts
+    /// in all, the last tier repeating. Every instance and tool on the queue must agree.
+    #[arg(long, value_parser = when::delays)]
+    pub(crate) retry_delays: Option<when::Delays>,
+    /// Declare quorum queues (replicated across the nodes of a cluster) instead of classic
+    /// ones. Every instance and tool on the queue must agree.
+    #[arg(long)]
+    pub(crate) quorum: bool,
+    /// `x-delivery-limit` of the quorum work queue; must exceed the retry budget plus the
+    /// prefetch [default with --quorum: max attempts + prefetch + 100]
+    #[arg(long, requires = "quorum")]
+    pub(crate) delivery_limit: Option<u32>,
+}
+
+/// `inboxctl consume`.
+#[derive(Args, Clone)]
+pub(crate) struct ConsumeArgs {
+    #[command(flatten)]
+    service: ServiceArgs,
+    /// Exchange the service emits its events to through its outbox (declared at start).
+    #[arg(long, default_value = order_service::EVENTS_EXCHANGE)]
+    events_exchange: String,
+    /// Also run the outbox relay in this process.
+    #[arg(long)]
+    relay: bool,
+    #[command(flatten)]
+    observe: telemetry::ObserveArgs,
+}
+
+/// `inboxctl consume-shipping`.
+#[derive(Args, Clone)]
+pub(crate) struct ShippingArgs {
+    /// PostgreSQL schema for the shipping inbox and its table.
+    #[arg(long, default_value = "shipping_service")]
+    schema: String,
+    /// Work queue.
+    #[arg(long, default_value = shipping_service::QUEUE)]
+    queue: String,
+    /// Exchange order-service emits to.
+    #[arg(long, default_value = shipping_service::EVENTS_EXCHANGE)]
+    exchange: String,
 }
 
 impl ServiceArgs {
@@ -123,6 +266,12 @@ impl ServiceArgs {
         config.batch_size = self.batch_size.unwrap_or(config.batch_size);
         config.lanes = self.lanes.unwrap_or(config.lanes);
         config.prefetch = self.prefetch.unwrap_or(config.prefetch);
+        if let Some(delays) = &self.retry_delays {
+            config.retry.delays = delays.0.clone();
+        }
+        if self.quorum {
+            config.use_quorum_queues(self.delivery_limit);
+        }
         config.validate()?;
         Ok(config)
     }
@@ -131,8 +280,14 @@ impl ServiceArgs {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let capture = init_logging(&cli.command);
-    match run(cli, capture.as_ref()).await {
+    let (capture, spans) = match init_logging(&cli.command) {
+        Ok(logging) => logging,
+        Err(e) => {
+            eprintln!("error: {}", error_chain(&e));
+            return ExitCode::from(2);
+        }
+    };
+    let code = match run(cli, capture.as_ref()).await {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {}", error_chain(&e));
@@ -141,27 +296,50 @@ async fn main() -> ExitCode {
             }
             ExitCode::from(2)
         }
-    }
+    };
+    // Flushes the spans still buffered.
+    drop(spans);
+    code
 }
 
 /// Log output goes to stderr at `RUST_LOG` (default `warn`). The demo's terminal belongs to its
 /// progress line and table: unless `RUST_LOG` is set, its log goes to a file and the warnings
-/// are summarized at the end.
-fn init_logging(command: &Command) -> Option<log_capture::LogCapture> {
+/// are summarized at the end. `consume --otlp-endpoint` adds the span export.
+fn init_logging(
+    command: &Command,
+) -> anyhow::Result<(
+    Option<log_capture::LogCapture>,
+    Option<telemetry::SpanExport>,
+)> {
+    use tracing_subscriber::{Layer as _, layer::SubscriberExt as _, util::SubscriberInitExt as _};
     let filter =
         || tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
     if matches!(command, Command::Demo(_)) && std::env::var_os("RUST_LOG").is_none() {
         let path = std::env::temp_dir().join("inboxctl-demo.log");
         match log_capture::LogCapture::install(&path, filter()) {
-            Ok(capture) => return Some(capture),
+            Ok(capture) => return Ok((Some(capture), None)),
             Err(e) => eprintln!("logging to stderr: {}", error_chain(&e)),
         }
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(filter())
+    let terminal = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
+        .with_filter(filter());
+    let endpoint = match command {
+        Command::Consume(args) => args.observe.otlp_endpoint.as_deref(),
+        _ => None,
+    };
+    let (spans, export) = match endpoint {
+        Some(endpoint) => {
+            let (layer, export) = telemetry::SpanExport::start(endpoint)?;
+            (Some(layer), Some(export))
+        }
+        None => (None, None),
+    };
+    tracing_subscriber::registry()
+        .with(terminal)
+        .with(spans)
         .init();
-    None
+    Ok((None, export))
 }
 
 /// The error and its causes, skipping causes whose text the previous message already holds.
@@ -190,15 +368,32 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
             Ok(ExitCode::SUCCESS)
         }
         Command::Consume(args) => {
-            let config = args.config()?;
+            let mut config = args.service.config()?;
+            args.observe.configure(&mut config);
+            config.validate()?;
+            args.observe.install_metrics()?;
             let pool =
                 connect::postgres(&servers.database_url, connect::pool_size(config.lanes)).await?;
-            connect::rabbitmq(&servers.amqp_url).await?.close().await;
+            let broker = connect::rabbitmq(&servers.amqp_url).await?;
+            broker
+                .declare_exchange(&args.events_exchange)
+                .await
+                .with_context(|| format!("declaring exchange {}", args.events_exchange))?;
+            broker.close().await;
             migrate_service(&pool, &config.schema).await?;
-            let handler = order_service::OrderHandler::new(config.schema.clone());
-            let consumer = Consumer::new(servers.amqp_url.clone(), pool, config, handler)?;
+            let handler = order_service::OrderHandler::new(config.schema.clone())
+                .with_events_exchange(&args.events_exchange);
+            let schema = config.schema.clone();
+            let mut consumer =
+                Consumer::new(servers.amqp_url.clone(), pool.clone(), config, handler)?;
+            if args.relay {
+                consumer = consumer.with_relay(pool, RelayConfig::new(schema))?;
+            }
             let stats = consumer.stats();
-            eprintln!("consuming {}; Ctrl-C or SIGTERM to stop", args.queue);
+            eprintln!(
+                "consuming {}; Ctrl-C or SIGTERM to stop",
+                args.service.queue
+            );
             consumer.run(rabbit_inbox::shutdown_signal()).await?;
             let s = stats.snapshot();
             eprintln!(
@@ -207,6 +402,28 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
             );
             Ok(ExitCode::SUCCESS)
         }
+        Command::ConsumeShipping(args) => {
+            let schema = SchemaName::new(&args.schema)?;
+            let config = shipping_service::config(schema.clone(), &args.queue, &args.exchange);
+            let pool =
+                connect::postgres(&servers.database_url, connect::pool_size(config.lanes)).await?;
+            connect::rabbitmq(&servers.amqp_url).await?.close().await;
+            rabbit_inbox::migrate(&pool, &schema).await?;
+            shipping_service::migrate(&pool, &schema).await?;
+            let handler = shipping_service::ShippingHandler::new(schema);
+            let consumer = Consumer::new(servers.amqp_url.clone(), pool, config, handler)?;
+            let stats = consumer.stats();
+            eprintln!("consuming {}; Ctrl-C or SIGTERM to stop", args.queue);
+            consumer.run(rabbit_inbox::shutdown_signal()).await?;
+            let s = stats.snapshot();
+            eprintln!(
+                "stopped: received {}, processed {}, duplicates {}, parked {}",
+                s.received, s.processed, s.duplicates, s.parked
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Relay(args) => outbox::relay(&servers, args).await,
+        Command::Outbox(args) => outbox::inspect(&servers, args).await,
         Command::Publish {
             service,
             orders,
@@ -220,7 +437,7 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
                 .context("declaring the topology")?;
             let seed = seed.unwrap_or_else(rand::random);
             let stream = scenario::Scenario::generate(orders, seed);
-            publish_all(&broker, &service.exchange, &stream.messages).await?;
+            inbox_chaos::publish_all(&broker, &service.exchange, &stream.messages).await?;
             println!(
                 "published {} messages ({} unique) for {} orders to exchange {} (seed {seed})",
                 stream.messages.len(),
@@ -246,61 +463,26 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
         }
         Command::Demo(args) => demo::run(&servers, args, capture).await,
         Command::Bench(args) => bench::run(&servers, args).await,
-        Command::Chaos(args) => chaos::run(&servers, args).await,
+        Command::Chaos(args) => {
+            // The consumers the run kills are this binary's `consume`.
+            let consumer = chaos::ConsumerCommand {
+                program: std::env::current_exe().context("locating the inboxctl binary")?,
+                args: vec!["consume".into(), "--relay".into()],
+            };
+            chaos::run(&servers, args, &consumer).await
+        }
         Command::Soak(args) => soak::run(&servers, args).await,
+        Command::Status(args) => status::run(&servers, args).await,
+        Command::List(args) => list::run(&servers, args).await,
+        Command::Show(args) => show::run(&servers, args).await,
+        Command::Failures(args) => failures::run(&servers, args).await,
+        Command::Redrive(args) => redrive::run(&servers, args).await,
+        Command::Reopen(args) => reopen::run(&servers, args).await,
+        Command::Recover(args) => recover::run(&servers, args).await,
+        Command::Serve(args) => serve::run(&servers, args).await,
+        Command::Doctor(args) => doctor::run(&servers, args).await,
+        Command::Cleanup(args) => cleanup::run(&servers, args).await,
+        Command::BenchRetention(args) => bench_retention::run_bench(&servers, args).await,
+        Command::Grants(args) => grants::run(args),
     }
-}
-
-/// The inbox and the example's tables in `schema`. Each takes the schema's lock, so any number
-/// of instances may start at once.
-async fn migrate_service(pool: &sqlx::PgPool, schema: &SchemaName) -> anyhow::Result<()> {
-    rabbit_inbox::migrate(pool, schema)
-        .await
-        .with_context(|| format!("migrating the inbox in schema {schema}"))?;
-    order_service::migrate(pool, schema)
-        .await
-        .with_context(|| format!("creating the example's tables in schema {schema}"))?;
-    Ok(())
-}
-
-/// Connects to both servers and gives a run of the example service a clean slate: its schema
-/// (inbox and example tables) and its queues are recreated, so the figures describe this run
-/// only.
-pub(crate) async fn clean_slate(
-    servers: &Servers,
-    config: &rabbit_inbox::ConsumerConfig,
-) -> anyhow::Result<(sqlx::PgPool, Broker)> {
-    let pool = connect::postgres(&servers.database_url, connect::pool_size(config.lanes)).await?;
-    rabbit_inbox::drop_schema(&pool, &config.schema).await?;
-    migrate_service(&pool, &config.schema).await?;
-    // A connection of its own for the deletes: the declarations below must not depend on how
-    // the broker took the deletion of queues an earlier run may not have left.
-    let deleting = connect::rabbitmq(&servers.amqp_url).await?;
-    deleting
-        .delete(&config.topology, &config.retry)
-        .await
-        .context("deleting the previous run's queues")?;
-    deleting.close().await;
-    let broker = connect::rabbitmq(&servers.amqp_url).await?;
-    broker
-        .declare(&config.topology, &config.retry)
-        .await
-        .context("declaring the topology")?;
-    Ok((pool, broker))
-}
-
-/// Publishes a generated stream in order, with broker confirms.
-pub(crate) async fn publish_all(
-    broker: &Broker,
-    exchange: &str,
-    messages: &[scenario::Published],
-) -> anyhow::Result<()> {
-    let batch: Vec<(&str, &rabbit_inbox::OutgoingMessage, Option<&str>)> = messages
-        .iter()
-        .map(|m| (m.routing_key.as_str(), &m.message, m.expiration.as_deref()))
-        .collect();
-    broker
-        .publish_batch_expiring(exchange, &batch)
-        .await
-        .with_context(|| format!("publishing to exchange {exchange}"))
 }

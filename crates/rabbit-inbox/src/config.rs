@@ -4,7 +4,10 @@
 
 use std::time::Duration;
 
-use crate::{envelope::EnvelopeRules, error::ConfigError, schema::SchemaName};
+use crate::{
+    envelope::EnvelopeRules, error::ConfigError, privacy::PayloadPrivacy,
+    retention::RetentionPolicy, schema::SchemaName, telemetry::TelemetryConfig,
+};
 
 /// The queues a consumer declares and uses.
 ///
@@ -85,6 +88,13 @@ impl Topology {
             .iter()
             .map(|d| self.retry_tier_queue(*d))
             .collect()
+    }
+
+    /// Declare all three queues as quorum queues (replicated across a cluster's nodes), with
+    /// at-least-once dead-lettering between them.
+    pub fn with_quorum_queues(mut self) -> Self {
+        self.queue_type = QueueType::Quorum;
+        self
     }
 
     /// Declare a quorum work queue with `x-delivery-limit` (see [`Topology::delivery_limit`]).
@@ -211,16 +221,43 @@ pub struct ConsumerConfig {
     /// Take a transaction-scoped advisory lock per aggregate before running handlers, for
     /// handlers that must not run concurrently for one aggregate across consumer instances.
     pub lock_aggregates: bool,
-    /// Which bodies the inbox keeps.
+    /// Which bodies the inbox keeps, for types without their own entry in `privacy`.
     pub payload_storage: PayloadStorage,
+    /// Per-type storage, redaction and encryption of stored payloads.
+    pub privacy: PayloadPrivacy,
+    /// Retention, run by the consumer every `retention.interval` (and by `inboxctl cleanup`);
+    /// its dedup window is checked against `retry` at start-up.
+    pub retention: Option<RetentionPolicy>,
     /// First reconnect delay after losing the broker or the database; doubles up to
     /// `reconnect_max_delay`.
     pub reconnect_initial_delay: Duration,
     /// Longest reconnect delay.
     pub reconnect_max_delay: Duration,
+    /// Recovery of stale leases and lost retries on a timer inside the consumer (off by
+    /// default; `inboxctl recover` runs the same operation by hand).
+    pub recovery: Option<crate::ops::RecoveryConfig>,
+    /// Metric labels and the sampling of the inbox gauges.
+    pub telemetry: TelemetryConfig,
+    /// Whether handlers' outbox writes NOTIFY the relays (see [`crate::Outbox::with_notify`]).
+    pub outbox_notify: bool,
 }
 
 impl ConsumerConfig {
+    /// Declares the topology as quorum queues with `delivery_limit`, or by default a limit
+    /// that leaves room for the retry budget, the prefetch and 100 redeliveries after lost
+    /// sessions (kills, node failures). Set `retry` and `prefetch` first.
+    pub fn use_quorum_queues(&mut self, delivery_limit: Option<u32>) {
+        let floor = u32::try_from(self.retry.max_attempts)
+            .unwrap_or(0)
+            .saturating_add(u32::from(self.prefetch));
+        let limit = delivery_limit.unwrap_or(floor.saturating_add(100));
+        self.topology = self
+            .topology
+            .clone()
+            .with_quorum_queues()
+            .with_delivery_limit(limit);
+    }
+
     /// Defaults for `consumer_name` consuming `topology`, inbox in schema `rabbit_inbox`.
     pub fn new(consumer_name: impl Into<String>, topology: Topology) -> Self {
         Self {
@@ -235,8 +272,13 @@ impl ConsumerConfig {
             lanes: 2,
             lock_aggregates: false,
             payload_storage: PayloadStorage::FailedOnly,
+            privacy: PayloadPrivacy::default(),
+            retention: None,
             reconnect_initial_delay: Duration::from_millis(200),
             reconnect_max_delay: Duration::from_secs(10),
+            recovery: None,
+            telemetry: TelemetryConfig::default(),
+            outbox_notify: true,
         }
     }
 
@@ -250,6 +292,12 @@ impl ConsumerConfig {
         };
         if self.consumer_name.trim().is_empty() || self.consumer_name.len() > 255 {
             return invalid("consumer_name", "must be 1 to 255 bytes");
+        }
+        if self.telemetry.sample_interval == Some(Duration::ZERO) {
+            return invalid(
+                "telemetry.sample_interval",
+                "must be longer than zero (None: no sampling)",
+            );
         }
         let t = &self.topology;
         for (name, q) in [
@@ -378,6 +426,19 @@ impl ConsumerConfig {
                 "envelope.dedup",
                 "payload fields must be non-empty JSON pointers like /order_id",
             );
+        }
+        if let Some(recovery) = &self.recovery {
+            recovery.validate()?;
+        }
+        if let Some(pointer) = self.privacy.invalid_pointer() {
+            return invalid(
+                "privacy.redact",
+                &format!("{pointer:?} is not a JSON pointer (like /card/number)"),
+            );
+        }
+        if let Some(retention) = &self.retention {
+            retention.validate()?;
+            retention.check_window(&self.retry)?;
         }
         if self.reconnect_initial_delay.is_zero()
             || self.reconnect_max_delay < self.reconnect_initial_delay

@@ -12,6 +12,7 @@
 use std::{
     future::Future,
     hash::{DefaultHasher, Hash, Hasher},
+    marker::PhantomData,
     sync::Arc,
     time::Duration,
 };
@@ -26,21 +27,28 @@ use crate::{
     envelope::{self, AmqpMessage},
     error::{ConfigError, ConsumerError},
     handler::{BatchHandler, Handler, PerMessage},
-    processor::{Outcome, Parsed, Processor},
+    lease::{LeaseConfig, Leased, LeasedHandler, LeasedProcessor},
+    outbox::{Relay, RelayConfig},
+    processor::{Outcome, Parsed, Process, Processor},
     stats::ConsumerStats,
+    telemetry::{self, sampler::Sampler},
 };
 
 /// A running consumer of one queue for one handler.
 pub struct Consumer<H> {
     amqp_url: String,
     config: ConsumerConfig,
-    processor: Arc<Processor<H>>,
+    processor: Arc<dyn Process>,
     stats: Arc<ConsumerStats>,
+    /// The outbox relay run beside the consumer, if configured.
+    relay: Option<Relay>,
     #[cfg(feature = "fault-injection")]
     faults: Arc<crate::fault::FaultPlan>,
+    handler: PhantomData<fn() -> H>,
 }
 
-type Work = (PendingDelivery, Parsed);
+/// A delivery on its way to a lane, with its span (open until it is settled).
+type Work = (PendingDelivery, Parsed, tracing::Span);
 
 enum SessionEnd {
     Shutdown,
@@ -49,8 +57,9 @@ enum SessionEnd {
 
 impl<H: Handler> Consumer<PerMessage<H>> {
     /// A consumer of `config.topology.queue` on the broker at `amqp_url`, with the inbox (and
-    /// the handler's business tables) in `pool`, running `handler` once per message. Validates
-    /// the configuration. Run [`crate::migrate`] first.
+    /// the handler's business tables) in `pool`, running `handler` once per message. On a
+    /// cluster, `amqp_url` lists the nodes' URLs separated by commas: each (re)connect takes
+    /// the first that accepts (see [`crate::AmqpAddresses`]). Validates the configuration. Run [`crate::migrate`] first.
     pub fn new(
         amqp_url: impl Into<String>,
         pool: PgPool,
@@ -71,6 +80,47 @@ impl<H: BatchHandler> Consumer<H> {
         handler: H,
     ) -> Result<Self, ConfigError> {
         config.validate()?;
+        let processor = {
+            let (pool, config) = (pool.clone(), config.clone());
+            move |stats| -> Arc<dyn Process> {
+                Arc::new(Processor::new(pool, Arc::new(handler), &config, stats))
+            }
+        };
+        Self::build(amqp_url.into(), &pool, config, processor)
+    }
+}
+
+impl<L: LeasedHandler> Consumer<Leased<L>> {
+    /// A consumer in leased mode, for handlers whose work cannot live inside one database
+    /// transaction (long work, external calls): each claim commits as PROCESSING under a lease
+    /// that the consumer heartbeats while `handler` works, and completion commits only while
+    /// the lease's fencing token is still the row's (see [`LeasedHandler`]).
+    pub fn leased(
+        amqp_url: impl Into<String>,
+        pool: PgPool,
+        config: ConsumerConfig,
+        lease: LeaseConfig,
+        handler: L,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        lease.validate()?;
+        let processor = {
+            let (pool, config) = (pool.clone(), config.clone());
+            move |stats| -> Arc<dyn Process> {
+                Arc::new(LeasedProcessor::new(pool, handler, &config, lease, stats))
+            }
+        };
+        Self::build(amqp_url.into(), &pool, config, processor)
+    }
+}
+
+impl<H> Consumer<H> {
+    fn build(
+        amqp_url: String,
+        pool: &PgPool,
+        config: ConsumerConfig,
+        make_processor: impl FnOnce(Arc<ConsumerStats>) -> Arc<dyn Process>,
+    ) -> Result<Self, ConfigError> {
         // Each lane holds a connection for as long as it runs; with no connection beyond them,
         // whatever else needs one (a handler's own queries, tools sharing the pool) waits for
         // the acquire timeout on every batch.
@@ -85,14 +135,44 @@ impl<H: BatchHandler> Consumer<H> {
                 ),
             });
         }
+        check_addresses(&amqp_url)?;
+        let stats = Arc::new(ConsumerStats::new(&config.consumer_name, &config.telemetry));
         Ok(Self {
-            amqp_url: amqp_url.into(),
-            processor: Arc::new(Processor::new(pool, Arc::new(handler), &config)),
+            amqp_url,
+            processor: make_processor(stats.clone()),
             config,
-            stats: Arc::new(ConsumerStats::default()),
+            stats,
+            relay: None,
             #[cfg(feature = "fault-injection")]
             faults: Arc::default(),
+            handler: PhantomData,
         })
+    }
+
+    /// Also runs an outbox relay in this process, publishing what the handler (or anything
+    /// else) wrote to the outbox of `relay.schema`, over its own broker connection and one
+    /// database connection of `pool` at a time (plus one LISTEN connection of its own). It
+    /// stops with the consumer. Other relays (`inboxctl relay`, other instances) may run on
+    /// the same outbox at the same time.
+    pub fn with_relay(mut self, pool: PgPool, relay: RelayConfig) -> Result<Self, ConfigError> {
+        let max_connections = pool.options().get_max_connections();
+        if max_connections as usize <= self.config.lanes + 1 {
+            return Err(ConfigError::InvalidSetting {
+                name: "pool",
+                reason: format!(
+                    "the pool allows {max_connections} connections; the consumer's {} lanes and \
+                     the relay each hold one: allow at least lanes + 2",
+                    self.config.lanes
+                ),
+            });
+        }
+        self.relay = Some(Relay::new(self.amqp_url.clone(), pool, relay)?);
+        Ok(self)
+    }
+
+    /// The in-process relay's counters, if one is configured.
+    pub fn relay_stats(&self) -> Option<Arc<crate::outbox::RelayStats>> {
+        self.relay.as_ref().map(Relay::stats)
     }
 
     /// Live counters.
@@ -110,8 +190,61 @@ impl<H: BatchHandler> Consumer<H> {
     /// the ones in hand, and closes the connection. Broker or database outages are ridden out
     /// with reconnects and back-off; only a configuration the broker refuses (e.g. a queue that
     /// exists with other arguments) ends the run with an error.
-    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ConsumerError> {
+    pub async fn run(
+        mut self,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), ConsumerError> {
+        let Some(relay) = self.relay.take() else {
+            return self.consume(shutdown).await;
+        };
+        // The relay stops when the consumer does, whichever way.
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let relay = tokio::spawn(relay.run(async move {
+            let mut stopped = stopped;
+            let _ = stopped.wait_for(|&s| s).await;
+        }));
+        let consumed = self.consume(shutdown).await;
+        let _ = stop.send(true);
+        match relay.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(error = %e, "outbox relay stopped"),
+            Err(e) => tracing::error!(error = %e, "outbox relay task failed"),
+        }
+        consumed
+    }
+
+    async fn consume(
+        &self,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), ConsumerError> {
         let mut shutdown = std::pin::pin!(shutdown);
+        // Aborted when the run ends, however it ends.
+        let _recovery = self.config.recovery.as_ref().map(|recovery| {
+            crate::ops::RecoveryTask::spawn(
+                self.processor.pool().clone(),
+                self.amqp_url.clone(),
+                &self.config,
+                recovery.clone(),
+            )
+        });
+        // Dropped (and so aborted) when `run` returns.
+        let _retention = self.spawn_retention();
+        telemetry::metrics::describe();
+        // Dropped (and so aborted) when the run ends.
+        let mut background = JoinSet::new();
+        if let Some(interval) = self.config.telemetry.sample_interval {
+            background.spawn(
+                Sampler {
+                    pool: self.processor.pool().clone(),
+                    store: crate::store::InboxStore::new(self.config.schema.clone()),
+                    consumer: self.config.consumer_name.clone(),
+                    retry: self.config.retry.clone(),
+                    interval,
+                    replay_window: self.config.telemetry.replay_window,
+                }
+                .run(),
+            );
+        }
         let backoff = Backoff::new(
             self.config.reconnect_initial_delay,
             self.config.reconnect_max_delay,
@@ -156,6 +289,43 @@ impl<H: BatchHandler> Consumer<H> {
         }
     }
 
+    /// Cleanup on a timer when `retention.interval` is set. Instances take turns through the
+    /// cleaner's advisory lock: one that finds it taken skips that round.
+    fn spawn_retention(&self) -> Option<tokio::task::JoinSet<()>> {
+        let retention = self.config.retention.clone()?;
+        let interval = retention.interval?;
+        let ops =
+            crate::ops::Operations::new(self.processor.pool().clone(), self.config.schema.clone());
+        let request = crate::ops::CleanupRequest::new(
+            &self.config.consumer_name,
+            retention,
+            self.config.retry.clone(),
+        );
+        let mut task = tokio::task::JoinSet::new();
+        task.spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match ops.cleanup(&request, &crate::ops::NoProgress).await {
+                    Ok(r) => tracing::debug!(
+                        scrubbed = r.scrubbed,
+                        removed = r.removed_processed + r.removed_parked,
+                        tombstones_expired = r.tombstones_expired,
+                        "retention ran"
+                    ),
+                    Err(crate::ops::OpsError::Refused(why)) => {
+                        tracing::debug!(%why, "retention skipped")
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "retention failed; trying again next round")
+                    }
+                }
+            }
+        });
+        Some(task)
+    }
+
     async fn session(
         &self,
         mut session: Session,
@@ -177,7 +347,6 @@ impl<H: BatchHandler> Consumer<H> {
                     processor: self.processor.clone(),
                     settler: session.settler(),
                     stats: self.stats.clone(),
-                    consumer: self.config.consumer_name.clone(),
                     batch_size: self.config.batch_size,
                     max_batch_delay: self.config.max_batch_delay,
                     backoff: (
@@ -224,8 +393,10 @@ impl<H: BatchHandler> Consumer<H> {
             self.stats.record_received(1);
             settler.register(&pending).await;
             let parsed = parse(message, &self.config);
+            let span =
+                telemetry::trace::delivery_span(&self.config.consumer_name, envelope_of(&parsed));
             let lane = lane_of(&parsed, senders.len());
-            if senders[lane].send((pending, parsed)).await.is_err() {
+            if senders[lane].send((pending, parsed, span)).await.is_err() {
                 break SessionEnd::Lost("a lane stopped".into());
             }
         };
@@ -276,6 +447,13 @@ fn parse(message: AmqpMessage, config: &ConsumerConfig) -> Parsed {
     parsed
 }
 
+fn envelope_of(item: &Parsed) -> &crate::Envelope {
+    match item {
+        Ok(e) => e,
+        Err(invalid) => &invalid.envelope,
+    }
+}
+
 /// Lane of a delivery: one aggregate always maps to the same lane, keeping its order.
 fn lane_of(parsed: &Parsed, lanes: usize) -> usize {
     let key = match parsed {
@@ -287,11 +465,10 @@ fn lane_of(parsed: &Parsed, lanes: usize) -> usize {
     (h.finish() % lanes as u64) as usize
 }
 
-struct LaneContext<H> {
-    processor: Arc<Processor<H>>,
+struct LaneContext {
+    processor: Arc<dyn Process>,
     settler: Arc<Settler>,
     stats: Arc<ConsumerStats>,
-    consumer: String,
     batch_size: usize,
     max_batch_delay: Duration,
     backoff: (Duration, Duration),
@@ -302,7 +479,7 @@ struct LaneContext<H> {
     broken: Arc<tokio::sync::Notify>,
 }
 
-async fn lane<H: BatchHandler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>) {
+async fn lane(mut rx: mpsc::Receiver<Work>, ctx: LaneContext) {
     let unrecorded = Backoff::new(ctx.backoff.0, ctx.backoff.1);
     let mut db = ctx.processor.lane_connection();
     while let Some(first) = rx.recv().await {
@@ -314,8 +491,15 @@ async fn lane<H: BatchHandler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>
                 Ok(None) | Err(_) => break,
             }
         }
-        let (pendings, parsed): (Vec<PendingDelivery>, Vec<Parsed>) = batch.into_iter().unzip();
-        let outcomes = ctx.processor.process(&parsed, &mut db).await;
+        let mut pendings = Vec::with_capacity(batch.len());
+        let mut parsed = Vec::with_capacity(batch.len());
+        let mut spans = Vec::with_capacity(batch.len());
+        for (pending, item, span) in batch {
+            pendings.push(pending);
+            parsed.push(item);
+            spans.push(span);
+        }
+        let outcomes = ctx.processor.process_batch(&parsed, &mut db).await;
 
         // Injected crash between commit and ack: the connection goes, nothing is settled.
         #[cfg(feature = "fault-injection")]
@@ -340,7 +524,13 @@ async fn lane<H: BatchHandler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>
             unrecorded.succeeded();
         }
 
-        ctx.stats.record_outcomes(&ctx.consumer, &outcomes);
+        // After the back-off above: commit-to-ack measures the broker's side only.
+        let committed = Instant::now();
+        let envelopes: Vec<&crate::Envelope> = parsed.iter().map(envelope_of).collect();
+        ctx.stats.record_outcomes(&outcomes, &envelopes);
+        for (span, outcome) in spans.iter().zip(&outcomes) {
+            telemetry::trace::record_outcome(span, outcome);
+        }
         let unsettled = if crashed {
             // Nothing of this batch is settled, as in a crash.
             ctx.stats.record_settle_failures(outcomes.len() as u64);
@@ -349,17 +539,16 @@ async fn lane<H: BatchHandler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>
             let batch = pendings
                 .into_iter()
                 .zip(&outcomes)
-                .zip(&parsed)
-                .map(|((pending, outcome), item)| {
-                    let envelope = match item {
-                        Ok(e) => e,
-                        Err(invalid) => &invalid.envelope,
-                    };
-                    (pending, outcome, envelope)
-                })
+                .zip(envelopes)
+                .map(|((pending, outcome), envelope)| (pending, outcome, envelope))
                 .collect();
-            ctx.settler.settle_batch(batch, &ctx.stats).await
+            let unsettled = ctx.settler.settle_batch(batch, &ctx.stats).await;
+            metrics::histogram!(telemetry::metrics::COMMIT_TO_ACK, "consumer" => ctx.stats.consumer_label().clone())
+                .record(committed.elapsed().as_secs_f64());
+            unsettled
         };
+        // The deliveries' spans end here, at their settlement.
+        drop(spans);
         if unsettled > 0 {
             tracing::warn!(
                 unsettled,
@@ -369,4 +558,15 @@ async fn lane<H: BatchHandler>(mut rx: mpsc::Receiver<Work>, ctx: LaneContext<H>
             ctx.broken.notify_one();
         }
     }
+}
+
+/// A bad broker address is a configuration error, reported when the consumer (or relay) is
+/// built rather than on every reconnect.
+pub(crate) fn check_addresses(amqp_url: &str) -> Result<(), ConfigError> {
+    crate::AmqpAddresses::parse(amqp_url)
+        .map(drop)
+        .map_err(|e| ConfigError::InvalidSetting {
+            name: "amqp_url",
+            reason: e.to_string(),
+        })
 }

@@ -16,6 +16,10 @@ pub enum ConfigError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The dedup retention is shorter than the time a copy of a message can still arrive; the
+    /// message says which setting, the horizon, and what to set.
+    #[error("unsafe retention window: {0}")]
+    UnsafeRetentionWindow(String),
 }
 
 /// A failure talking to the inbox tables.
@@ -41,6 +45,12 @@ pub enum BrokerError {
     /// The broker negatively confirmed a publish, or returned it as unroutable.
     #[error("RabbitMQ did not accept the message published to {0}")]
     NotConfirmed(String),
+    /// A broker address (an entry of the AMQP URL list) is not a valid AMQP URL.
+    #[error("invalid AMQP address {0}")]
+    InvalidAddress(String),
+    /// A broker address did not accept a connection in time (a paused or partitioned node).
+    #[error("RabbitMQ at {0} did not accept a connection in time")]
+    ConnectTimeout(String),
     /// A name or property that AMQP carries as a short string is longer than 255 bytes.
     #[error("{what} is {len} bytes long; AMQP carries at most 255")]
     TooLong {

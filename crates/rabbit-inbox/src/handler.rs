@@ -2,7 +2,9 @@
 //! connection, and says how it went. It has no way to ack; the consumer settles deliveries only
 //! after the outcome is durable.
 
-use std::{any::Any, borrow::Cow, future::Future, panic::AssertUnwindSafe};
+use std::{
+    any::Any, borrow::Cow, future::Future, panic::AssertUnwindSafe, sync::atomic::AtomicU32,
+};
 
 use futures::FutureExt;
 use serde::de::DeserializeOwned;
@@ -12,6 +14,7 @@ use sqlx::PgConnection;
 use crate::{
     db_error::{DbErrorClass, deterministic_code},
     envelope::Envelope,
+    outbox::{MessageOutbox, Outbox},
 };
 
 /// Error code recorded when a handler panics. The message is parked with the panic's text: a
@@ -24,6 +27,9 @@ pub struct InboxMessage<'a> {
     pub(crate) envelope: &'a Envelope,
     pub(crate) consumer_name: &'a str,
     pub(crate) attempt: i32,
+    pub(crate) outbox: &'a Outbox,
+    /// Messages emitted so far in this run of the handler (the next one's position).
+    pub(crate) emitted: &'a AtomicU32,
 }
 
 impl<'a> InboxMessage<'a> {
@@ -62,6 +68,21 @@ impl<'a> InboxMessage<'a> {
         h.update([0u8]);
         h.update(self.envelope.message_id.as_bytes());
         hex::encode(&h.finalize()[..16])
+    }
+
+    /// The outbox of the consumer's schema, writing through `tx`, the handler's transaction:
+    /// what it enqueues is published after the commit that also records this message, and
+    /// never if the transaction rolls back. Ids are derived from this message's key, the
+    /// consumer and the position among the messages this run emits, so a replay emits the same
+    /// ids (see [`MessageOutbox::enqueue`]). Emit in a deterministic order.
+    pub fn outbox<'c>(&'c self, tx: &'c mut PgConnection) -> MessageOutbox<'c> {
+        MessageOutbox {
+            tx,
+            outbox: self.outbox,
+            incoming: self.envelope,
+            consumer: self.consumer_name,
+            position: self.emitted,
+        }
     }
 
     /// Deserializes the JSON payload. A mismatch is a permanent error: retrying will not change
@@ -272,10 +293,14 @@ mod tests {
             &EnvelopeRules::default(),
         )
         .expect("valid");
+        let outbox = Outbox::new(crate::SchemaName::default());
+        let emitted = AtomicU32::new(0);
         InboxMessage {
             envelope: &envelope,
             consumer_name: consumer,
             attempt: 1,
+            outbox: &outbox,
+            emitted: &emitted,
         }
         .idempotency_key()
     }
@@ -303,10 +328,14 @@ mod tests {
             &EnvelopeRules::default(),
         )
         .expect("valid");
+        let outbox = Outbox::new(crate::SchemaName::default());
+        let emitted = AtomicU32::new(0);
         let msg = InboxMessage {
             envelope: &envelope,
             consumer_name: "a",
             attempt: 1,
+            outbox: &outbox,
+            emitted: &emitted,
         };
         let err = msg.decode::<Wants>().expect_err("mismatch");
         assert_eq!(err.kind(), ErrorKind::Permanent);

@@ -46,12 +46,23 @@ mod error;
 #[cfg(feature = "fault-injection")]
 mod fault;
 mod handler;
+mod lease;
+pub mod ops;
+mod outbox;
+pub mod privacy;
 mod processor;
+mod retention;
+pub mod roles;
 mod schema;
 mod stats;
 mod store;
+pub mod telemetry;
 
-pub use broker::{Broker, OutgoingMessage, QueueDepths, parking_headers};
+pub use broker::{
+    AmqpAddresses, Broker, DEFAULT_MANAGEMENT_PORT, ManagementClient, ManagementError,
+    OutgoingMessage, ParkedMessage, ParkingLot, QueueDepth, QueueDepths, QueueInfo, QueueSetting,
+    Republished, parking_headers,
+};
 pub use broker::{HEADER_TOO_DEEP, MAX_HEADER_DEPTH};
 #[doc(hidden)]
 pub use broker::{convert_headers, headers_to_json};
@@ -71,9 +82,20 @@ pub use handler::{
     BatchError, BatchHandler, ErrorKind, HANDLER_PANICKED, Handler, HandlerError, InboxMessage,
     PerMessage,
 };
+pub use lease::{LEASE_LOST, Lease, LeaseConfig, LeaseError, Leased, LeasedHandler};
+#[cfg(feature = "fault-injection")]
+pub use outbox::RelayFaults;
+pub use outbox::{
+    Enqueued, MessageOutbox, Outbox, OutboxError, OutboxMessage, OutboxRecord, OutboxStatus,
+    OutboxStore, OutboxSummary, Relay, RelayConfig, RelayError, RelayStats, RelayStatsSnapshot,
+    emitted_message_id,
+};
 pub use processor::{Outcome, PAYLOAD_CONFLICT, TRANSACTION_ABORTED};
+pub use retention::{RetentionMode, RetentionPolicy, TypeRetention};
 pub use schema::{MIGRATOR, SchemaLock, SchemaName, drop_schema, migrate};
 pub use stats::{ConsumerStats, StatsSnapshot};
 pub use store::{
-    Claim, Failure, InboxRecord, InboxStatus, InboxStore, MAX_ERROR_MESSAGE_CHARS, Redelivery,
+    Claim, Failure, InboxRecord, InboxStatus, InboxStore, MAX_ERROR_MESSAGE_CHARS, OpenRowsSample,
+    Redelivery,
 };
+pub use telemetry::TelemetryConfig;

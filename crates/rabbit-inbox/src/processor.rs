@@ -11,7 +11,7 @@
 use std::{
     collections::{HashMap, VecDeque},
     panic::AssertUnwindSafe,
-    sync::{Arc, Mutex, PoisonError},
+    sync::{Arc, Mutex, PoisonError, atomic::AtomicU32},
 };
 
 use futures::FutureExt;
@@ -19,12 +19,15 @@ use sha2::{Digest, Sha256};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, pool::PoolConnection};
 
 use crate::{
-    config::{ConsumerConfig, PayloadStorage, RetryPolicy},
+    config::{ConsumerConfig, RetryPolicy},
     db_error::{DbErrorClass, deterministic_code},
     envelope::{Envelope, InvalidMessage},
     error::StoreError,
     handler::{BatchError, BatchHandler, ErrorKind, HANDLER_PANICKED, HandlerError, InboxMessage},
+    outbox::Outbox,
+    stats::ConsumerStats,
     store::{Claim, Failure, InboxRecord, InboxStatus, InboxStore, Redelivery},
+    telemetry::metrics as m,
 };
 
 /// A delivery after parsing: an envelope, or the reason it cannot be processed.
@@ -108,11 +111,11 @@ impl LaneConnection {
     }
 
     /// Begins a read-write transaction on the lane's connection.
-    async fn begin(&mut self) -> Result<sqlx::Transaction<'_, Postgres>, sqlx::Error> {
+    pub(crate) async fn begin(&mut self) -> Result<sqlx::Transaction<'_, Postgres>, sqlx::Error> {
         self.get().await?.begin_with("BEGIN READ WRITE").await
     }
 
-    fn discard(&mut self) {
+    pub(crate) fn discard(&mut self) {
         if let Some(conn) = self.conn.take() {
             // Closed, not returned: its session settings are the lane's, not the pool's.
             drop(conn.detach());
@@ -126,17 +129,55 @@ impl Drop for LaneConnection {
     }
 }
 
+/// What a lane runs a batch through: the transactional [`Processor`] (the default) or the
+/// leased one (`crate::lease`). Boxed futures: one allocation per batch, nothing per message.
+pub(crate) trait Process: Send + Sync + 'static {
+    /// A connection slot for one lane.
+    fn lane_connection(&self) -> LaneConnection;
+
+    /// The pool the inbox and the handler's tables are in.
+    fn pool(&self) -> &PgPool;
+
+    /// Processes a batch; returns one outcome per item, in order.
+    fn process_batch<'a>(
+        &'a self,
+        items: &'a [Parsed],
+        db: &'a mut LaneConnection,
+    ) -> futures::future::BoxFuture<'a, Vec<Outcome>>;
+}
+
+impl<H: BatchHandler> Process for Processor<H> {
+    fn lane_connection(&self) -> LaneConnection {
+        LaneConnection::new(self.pool.clone())
+    }
+
+    fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn process_batch<'a>(
+        &'a self,
+        items: &'a [Parsed],
+        db: &'a mut LaneConnection,
+    ) -> futures::future::BoxFuture<'a, Vec<Outcome>> {
+        Box::pin(self.process(items, db))
+    }
+}
+
 pub(crate) struct Processor<H> {
     pool: PgPool,
     store: InboxStore,
+    /// Handlers' outbox, in the inbox's schema.
+    outbox: Outbox,
     handler: Arc<H>,
     consumer: String,
     retry: RetryPolicy,
     lock_aggregates: bool,
-    payload_storage: PayloadStorage,
     body_must_match: bool,
     /// Keys requeued as "unavailable" in a row, to name the ones that keep coming back.
     requeues: Mutex<HashMap<String, u32>>,
+    /// Metric labels of this consumer.
+    stats: Arc<ConsumerStats>,
 }
 
 /// Why a batch transaction did not commit.
@@ -251,51 +292,33 @@ struct Committed {
 const MAX_TRANSIENT_RETRIES: u32 = 3;
 
 impl<H: BatchHandler> Processor<H> {
-    pub(crate) fn new(pool: PgPool, handler: Arc<H>, config: &ConsumerConfig) -> Self {
+    pub(crate) fn new(
+        pool: PgPool,
+        handler: Arc<H>,
+        config: &ConsumerConfig,
+        stats: Arc<ConsumerStats>,
+    ) -> Self {
         Self {
             pool,
-            store: InboxStore::new(config.schema.clone()),
+            // The store applies the payload policy per message type: the processor offers
+            // every body and the rules keep, redact or seal it.
+            store: InboxStore::new(config.schema.clone())
+                .with_privacy(config.payload_storage, config.privacy.clone()),
+            outbox: Outbox::new(config.schema.clone()).with_notify(config.outbox_notify),
             handler,
             consumer: config.consumer_name.clone(),
             retry: config.retry.clone(),
             lock_aggregates: config.lock_aggregates,
-            payload_storage: config.payload_storage,
             body_must_match: config.envelope.dedup.body_must_match(),
             requeues: Mutex::default(),
+            stats,
         }
-    }
-
-    /// A connection slot for one lane.
-    pub(crate) fn lane_connection(&self) -> LaneConnection {
-        LaneConnection::new(self.pool.clone())
     }
 
     /// Processes a batch; returns one outcome per item, in order.
     pub(crate) async fn process(&self, items: &[Parsed], db: &mut LaneConnection) -> Vec<Outcome> {
         let mut outcomes: Vec<Option<Outcome>> = vec![None; items.len()];
-
-        // Bad input: recorded and parked, never processed.
-        let invalid: Vec<PendingFailure> = items
-            .iter()
-            .enumerate()
-            .filter_map(|(index, item)| {
-                let invalid = item.as_ref().err()?;
-                Some(PendingFailure {
-                    index,
-                    status: InboxStatus::PermanentFailed,
-                    code: invalid.reason.code().to_owned(),
-                    message: invalid.detail.clone(),
-                    store_payload: self.payload_storage != PayloadStorage::Never
-                        && invalid.reason != crate::InvalidReason::PayloadTooLarge,
-                    invalid: true,
-                    minimal: false,
-                })
-            })
-            .collect();
-        if !invalid.is_empty() {
-            self.record_failures(items, invalid, &mut outcomes, db)
-                .await;
-        }
+        self.record_invalid(items, &mut outcomes, db).await;
 
         // The same key twice in one batch: later copies wait for a later round, where they meet
         // the first copy's committed outcome like any redelivery.
@@ -309,7 +332,12 @@ impl<H: BatchHandler> Processor<H> {
             self.run_round(items, round, &mut outcomes, db).await;
             pending = later;
         }
+        self.finish(items, outcomes)
+    }
 
+    /// Outcomes in order (a gap is a bug, reported as unrecorded so the message comes back),
+    /// with the keys requeued again and again named.
+    pub(crate) fn finish(&self, items: &[Parsed], outcomes: Vec<Option<Outcome>>) -> Vec<Outcome> {
         let outcomes: Vec<Outcome> = outcomes
             .into_iter()
             .map(|o| {
@@ -320,6 +348,59 @@ impl<H: BatchHandler> Processor<H> {
             .collect();
         self.track_requeues(items, &outcomes);
         outcomes
+    }
+
+    /// Bad input: recorded and parked, never processed.
+    pub(crate) async fn record_invalid(
+        &self,
+        items: &[Parsed],
+        outcomes: &mut [Option<Outcome>],
+        db: &mut LaneConnection,
+    ) {
+        let invalid: Vec<PendingFailure> = items
+            .iter()
+            .enumerate()
+            .filter_map(|(index, item)| {
+                let invalid = item.as_ref().err()?;
+                Some(PendingFailure {
+                    index,
+                    status: InboxStatus::PermanentFailed,
+                    code: invalid.reason.code().to_owned(),
+                    message: invalid.detail.clone(),
+                    store_payload: invalid.reason != crate::InvalidReason::PayloadTooLarge,
+                    invalid: true,
+                    minimal: false,
+                })
+            })
+            .collect();
+        if !invalid.is_empty() {
+            self.record_failures(items, invalid, outcomes, db).await;
+        }
+    }
+
+    /// Records a permanent failure of the valid message at `index` that could not be claimed
+    /// (a value the database refuses): its minimal row if need be, and parked, so it neither
+    /// loops nor is lost.
+    pub(crate) async fn record_unclaimable(
+        &self,
+        items: &[Parsed],
+        index: usize,
+        code: &str,
+        message: String,
+        outcomes: &mut [Option<Outcome>],
+        db: &mut LaneConnection,
+    ) {
+        let failure = PendingFailure {
+            index,
+            status: InboxStatus::PermanentFailed,
+            code: code.to_owned(),
+            message,
+            store_payload: true, // the store applies the privacy policy
+            invalid: false,
+            minimal: false,
+        };
+        self.record_failures(items, vec![failure], outcomes, db)
+            .await;
     }
 
     /// Names the messages that keep being requeued as "unavailable": after an outage they go
@@ -337,7 +418,7 @@ impl<H: BatchHandler> Processor<H> {
                     let n = requeues.entry(key.to_owned()).or_default();
                     *n += 1;
                     if *n > REQUEUE_WARN_AFTER {
-                        metrics::counter!("rabbit_inbox_repeated_requeues_total", "consumer" => self.consumer.clone())
+                        metrics::counter!(m::REPEATED_REQUEUES, "consumer" => self.stats.consumer_label().clone())
                             .increment(1);
                         tracing::warn!(
                             message_id = key,
@@ -398,7 +479,12 @@ impl<H: BatchHandler> Processor<H> {
                     failed.extend(errors.iter().map(|(i, e)| self.handler_failure(*i, e)));
                 }
                 Err(TxError::Isolate(e)) if active.len() > 1 => {
-                    tracing::debug!(error = %e, batch = active.len(), "batch failed without a culprit; one message per transaction");
+                    // The code only: a handler's message may quote the body (a decode error does).
+                    tracing::debug!(
+                        code = e.code(),
+                        batch = active.len(),
+                        "batch failed without a culprit; one message per transaction"
+                    );
                     for &i in active.iter().rev() {
                         queue.push_front((vec![i], Mode::Optimistic));
                     }
@@ -433,7 +519,7 @@ impl<H: BatchHandler> Processor<H> {
             },
             code: e.code().to_owned(),
             message: e.message().to_owned(),
-            store_payload: self.payload_storage != PayloadStorage::Never,
+            store_payload: true,
             invalid: false,
             minimal: false,
         }
@@ -447,6 +533,7 @@ impl<H: BatchHandler> Processor<H> {
         mode: Mode,
         db: &mut LaneConnection,
     ) -> Result<Committed, TxError> {
+        let began = std::time::Instant::now();
         let mut tx = db
             .begin()
             .await
@@ -489,12 +576,14 @@ impl<H: BatchHandler> Processor<H> {
                     }
                     _ => TxError::Outage(e.to_string()),
                 })?;
+                self.record_transaction(began, "committed");
                 Ok(committed)
             }
             Err(e) => {
                 // Roll back now, not lazily on the connection's next use: the failures are
                 // recorded next and would wait for this claim's locks.
                 let rolled_back = tx.rollback().await;
+                self.record_transaction(began, "rolled_back");
                 let panicked = matches!(&e, TxError::Handler(_, h) | TxError::Isolate(h) if h.code() == HANDLER_PANICKED);
                 if rolled_back.is_err() || panicked || matches!(e, TxError::Outage(_)) {
                     // A panic may have left a statement half-read on the connection.
@@ -575,12 +664,7 @@ impl<H: BatchHandler> Processor<H> {
         let envelopes: Vec<&Envelope> = active.iter().map(|&i| envelope_of(items, i)).collect();
         let batch = self
             .store
-            .claim_committing(
-                &mut *tx,
-                &self.consumer,
-                &envelopes,
-                self.payload_storage == PayloadStorage::Always,
-            )
+            .claim_committing(&mut *tx, &self.consumer, &envelopes, true)
             .await
             .map_err(TxError::from_store)?;
 
@@ -589,6 +673,9 @@ impl<H: BatchHandler> Processor<H> {
         let mut decided = Vec::with_capacity(active.len());
         let mut run: Vec<(usize, i32)> = Vec::new();
         let mut reclaim: Vec<usize> = Vec::new();
+        // First receipt of each reclaimed key, and how many were stale PROCESSING rows.
+        let mut first_received: Vec<(usize, chrono::DateTime<chrono::Utc>)> = Vec::new();
+        let mut stale_taken_over = 0u64;
         let mut redeliveries = Vec::new();
         for ((&i, envelope), claim) in active.iter().zip(&envelopes).zip(batch.claims) {
             let record = match claim {
@@ -604,26 +691,14 @@ impl<H: BatchHandler> Processor<H> {
                 conflicting_sha256: conflict.then_some(&envelope.payload_sha256[..]),
             });
             if conflict {
-                decided.push((
-                    i,
-                    Outcome::Parked {
-                        status: record.status,
-                        code: PAYLOAD_CONFLICT.into(),
-                        message: format!(
-                            "message id {} was first received with another body (sha256 {}); \
-                             this copy (sha256 {}) was not processed: the producer reuses ids",
-                            envelope.message_id,
-                            hex::encode(&record.payload_sha256),
-                            hex::encode(envelope.payload_sha256)
-                        ),
-                    },
-                ));
+                decided.push((i, payload_conflict(&record, envelope)));
                 continue;
             }
             let outcome = match record.status {
                 InboxStatus::Processed => Outcome::Duplicate,
                 InboxStatus::RetryableFailed => {
                     reclaim.push(i);
+                    first_received.push((i, record.first_received_at));
                     continue;
                 }
                 InboxStatus::Processing => {
@@ -633,13 +708,17 @@ impl<H: BatchHandler> Processor<H> {
                     // The database's clock on both sides: hosts' clocks drift.
                     if batch.db_now - started > stale_after {
                         reclaim.push(i);
+                        first_received.push((i, record.first_received_at));
+                        stale_taken_over += 1;
                         continue;
                     }
                     Outcome::InFlightElsewhere
                 }
                 // Already parked once; this copy is a redelivery (e.g. a crash between the
                 // parking publish and the ack). Park it again rather than risk losing it.
-                InboxStatus::PermanentFailed | InboxStatus::Poisoned => parked_again(&record),
+                InboxStatus::PermanentFailed
+                | InboxStatus::Poisoned
+                | InboxStatus::ManualReview => parked_again(&record),
             };
             decided.push((i, outcome));
         }
@@ -684,22 +763,36 @@ impl<H: BatchHandler> Processor<H> {
         }
         // Delivery order, whatever order the claims came back in.
         run.sort_unstable_by_key(|&(i, _)| i);
+        // Fresh per run: a rolled-back run's emitted messages are gone, and the next run
+        // derives the same ids again from position 0.
+        let emitted: Vec<AtomicU32> = run.iter().map(|_| AtomicU32::new(0)).collect();
         let msgs: Vec<InboxMessage<'_>> = run
             .iter()
-            .map(|&(i, attempt)| InboxMessage {
+            .zip(&emitted)
+            .map(|(&(i, attempt), emitted)| InboxMessage {
                 envelope: envelope_of(items, i),
                 consumer_name: &self.consumer,
                 attempt,
+                outbox: &self.outbox,
+                emitted,
             })
             .collect();
         // A panic in a handler is bad input the runtime must survive, not a reason to lose the
         // lane and every delivery it holds.
+        let handler_began = std::time::Instant::now();
         let handled = AssertUnwindSafe(self.handler.handle_batch(&msgs, &mut *tx))
             .catch_unwind()
             .await
             .unwrap_or_else(|panic| Err(BatchError::Batch(HandlerError::panicked(&*panic))));
         match handled {
-            Ok(()) => {}
+            Ok(()) => self.record_handled(
+                &msgs,
+                &run,
+                &first_received,
+                batch.db_now,
+                handler_began,
+                stale_taken_over,
+            ),
             Err(BatchError::Message { index, error }) => {
                 let i = run.get(index).map(|&(i, _)| i).ok_or_else(|| {
                     TxError::Isolate(HandlerError::retryable(
@@ -737,19 +830,19 @@ impl<H: BatchHandler> Processor<H> {
             Err(BatchError::Batch(error)) => return Err(TxError::from_handler(None, error)),
         }
         // New rows were inserted PROCESSED already; reclaimed ones still need the update.
-        if !reclaim.is_empty() {
-            let ids: Vec<&str> = reclaim
-                .iter()
-                .map(|&i| envelope_of(items, i).message_id.as_str())
-                .collect();
+        // Whether a body kept from the failure stays depends on the message type's policy.
+        let (keep, drop): (Vec<&Envelope>, Vec<&Envelope>) = reclaim
+            .iter()
+            .map(|&i| envelope_of(items, i))
+            .partition(|e| self.store.keeps_processed_payload(&e.message_type));
+        for (envelopes, keep_payload) in [(keep, true), (drop, false)] {
+            if envelopes.is_empty() {
+                continue;
+            }
+            let ids: Vec<&str> = envelopes.iter().map(|e| e.message_id.as_str()).collect();
             let marked = self
                 .store
-                .mark_processed(
-                    &mut *tx,
-                    &self.consumer,
-                    &ids,
-                    self.payload_storage == PayloadStorage::Always,
-                )
+                .mark_processed(&mut *tx, &self.consumer, &ids, keep_payload)
                 .await
                 .map_err(TxError::from_store)?;
             if marked != ids.len() as u64 {
@@ -767,6 +860,61 @@ impl<H: BatchHandler> Processor<H> {
     /// Records failures in one short transaction on the lane's connection (the batch
     /// transactions are over, so it holds no locks and needs no second connection) and says
     /// where each message goes.
+    fn record_transaction(&self, began: std::time::Instant, result: &'static str) {
+        metrics::histogram!(m::TRANSACTION_DURATION, "consumer" => self.stats.consumer_label().clone(), "result" => result)
+            .record(began.elapsed().as_secs_f64());
+    }
+
+    /// Metrics of a handler call that succeeded: its duration, and the attempt and processing
+    /// age of each message. Recorded before COMMIT: a commit that fails afterwards (an
+    /// outage) leaves them counted, rare enough not to skew the distributions.
+    fn record_handled(
+        &self,
+        msgs: &[InboxMessage<'_>],
+        run: &[(usize, i32)],
+        first_received: &[(usize, chrono::DateTime<chrono::Utc>)],
+        db_now: chrono::DateTime<chrono::Utc>,
+        handler_began: std::time::Instant,
+        stale_taken_over: u64,
+    ) {
+        let consumer = self.stats.consumer_label();
+        let handler_time = handler_began.elapsed().as_secs_f64();
+        metrics::histogram!(m::HANDLER_DURATION, "consumer" => consumer.clone())
+            .record(handler_time);
+        if stale_taken_over > 0 {
+            metrics::counter!(m::STALE_LEASE_RECOVERIES, "consumer" => consumer.clone())
+                .increment(stale_taken_over);
+        }
+        // (type label, attempts, processing ages): one pair of histogram handles per type.
+        let types = self.stats.type_labels(msgs.iter().map(|msg| msg.envelope));
+        let mut by_type: Vec<(&metrics::SharedString, Vec<f64>, Vec<f64>)> = Vec::new();
+        for (&(i, attempt), ty) in run.iter().zip(&types) {
+            let waited = first_received
+                .iter()
+                .find(|(r, _)| *r == i)
+                .map_or(0.0, |(_, first)| {
+                    (db_now - *first).as_seconds_f64().max(0.0)
+                });
+            let group = match by_type.iter().position(|(t, ..)| *t == ty) {
+                Some(g) => g,
+                None => {
+                    by_type.push((ty, Vec::new(), Vec::new()));
+                    by_type.len() - 1
+                }
+            };
+            by_type[group].1.push(f64::from(attempt));
+            by_type[group].2.push(waited + handler_time);
+        }
+        for (ty, attempts, ages) in by_type {
+            let attempt_histogram = metrics::histogram!(m::ATTEMPTS, "consumer" => consumer.clone(), "message_type" => ty.clone());
+            attempts
+                .into_iter()
+                .for_each(|a| attempt_histogram.record(a));
+            let age_histogram = metrics::histogram!(m::PROCESSING_AGE, "consumer" => consumer.clone(), "message_type" => ty.clone());
+            ages.into_iter().for_each(|a| age_histogram.record(a));
+        }
+    }
+
     async fn record_failures(
         &self,
         items: &[Parsed],
@@ -1019,8 +1167,24 @@ async fn savepoint(tx: &mut PgConnection, statement: &'static str) -> Result<(),
         .map_err(|e| TxError::from_db(&e, &e.to_string()))
 }
 
+/// The outcome of a copy whose body differs from the one first recorded under its key: parked,
+/// the row untouched but for the conflict count.
+pub(crate) fn payload_conflict(record: &InboxRecord, envelope: &Envelope) -> Outcome {
+    Outcome::Parked {
+        status: record.status,
+        code: PAYLOAD_CONFLICT.into(),
+        message: format!(
+            "message id {} was first received with another body (sha256 {}); \
+             this copy (sha256 {}) was not processed: the producer reuses ids",
+            envelope.message_id,
+            hex::encode(&record.payload_sha256),
+            hex::encode(envelope.payload_sha256)
+        ),
+    }
+}
+
 /// The outcome of a copy of a parked row: parked again with the row's reason.
-fn parked_again(record: &InboxRecord) -> Outcome {
+pub(crate) fn parked_again(record: &InboxRecord) -> Outcome {
     Outcome::Parked {
         status: record.status,
         code: record.last_error_code.clone().unwrap_or_default(),
@@ -1031,7 +1195,7 @@ fn parked_again(record: &InboxRecord) -> Outcome {
 /// Whether a recorded body hash is this envelope's body. Rows may hold the hash of the raw
 /// bytes (recorded before bodies were hashed in canonical form, or by a consumer configured
 /// so), so both count.
-fn same_body(recorded: &[u8], envelope: &Envelope) -> bool {
+pub(crate) fn same_body(recorded: &[u8], envelope: &Envelope) -> bool {
     recorded == envelope.payload_sha256 || recorded == envelope.raw_body_sha256()
 }
 

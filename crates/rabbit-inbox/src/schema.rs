@@ -15,7 +15,7 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 
 /// Name of the migrations table, created inside the inbox schema so the library never touches
 /// an application's own `_sqlx_migrations`.
-const MIGRATIONS_TABLE: &str = "_rabbit_inbox_migrations";
+pub(crate) const MIGRATIONS_TABLE: &str = "_rabbit_inbox_migrations";
 
 /// A PostgreSQL schema name that is safe to splice into SQL.
 ///
@@ -199,9 +199,91 @@ pub async fn drop_schema(pool: &PgPool, schema: &SchemaName) -> Result<(), Store
     released
 }
 
+/// The statements of `sql`, comments removed, upper-cased, whitespace collapsed. A rule
+/// check, not a parser: good enough for DDL without dollar-quoted bodies.
+fn statements(sql: &str) -> Vec<String> {
+    let code: String = sql
+        .lines()
+        .map(|line| line.split_once("--").map_or(line, |(code, _)| code))
+        .collect::<Vec<_>>()
+        .join("\n");
+    code.split(';')
+        .map(|s| {
+            s.split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+                .to_uppercase()
+        })
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+/// The indexes the inbox migrations leave in place, by name, in creation order: every index a
+/// migration creates, less those a later one drops. What the doctor expects to find.
+pub(crate) fn migration_indexes() -> Vec<String> {
+    fn name_after<'a>(statement: &'a str, prefixes: &[&str], optional: &[&str]) -> Option<&'a str> {
+        let mut rest = prefixes
+            .iter()
+            .find_map(|p| statement.strip_prefix(p))?
+            .trim_start();
+        for word in optional {
+            rest = rest.strip_prefix(word).unwrap_or(rest).trim_start();
+        }
+        rest.split(|c: char| c.is_whitespace() || c == '(').next()
+    }
+    let mut indexes: Vec<String> = Vec::new();
+    for migration in MIGRATOR.migrations.iter() {
+        for statement in statements(migration.sql.as_str()) {
+            let created = name_after(
+                &statement,
+                &["CREATE INDEX ", "CREATE UNIQUE INDEX "],
+                &["CONCURRENTLY ", "IF NOT EXISTS "],
+            );
+            let dropped = name_after(
+                &statement,
+                &["DROP INDEX "],
+                &["CONCURRENTLY ", "IF EXISTS "],
+            );
+            if let Some(name) = created {
+                indexes.push(name.to_lowercase());
+            } else if let Some(name) = dropped {
+                let name = name.to_lowercase();
+                indexes.retain(|i| *i != name);
+            }
+        }
+    }
+    indexes
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn migration_indexes_are_the_ones_left_in_place() {
+        let indexes = migration_indexes();
+        for expected in [
+            "idx_message_inbox_open",
+            "idx_message_inbox_processed_at",
+            "idx_message_inbox_aggregate",
+            "idx_inbox_tombstone_removed_at",
+            "outbox_pending",
+        ] {
+            assert!(
+                indexes.iter().any(|i| i == expected),
+                "{expected}: {indexes:?}"
+            );
+        }
+        // Dropped by 0002.
+        assert!(!indexes.iter().any(|i| i == "idx_message_inbox_status"));
+        assert_eq!(
+            indexes
+                .iter()
+                .filter(|i| *i == "idx_message_inbox_aggregate")
+                .count(),
+            1
+        );
+    }
 
     #[test]
     fn accepts_plain_identifiers() {
@@ -231,28 +313,27 @@ mod tests {
     /// for. Every later one must leave a large, busy table writable.
     const LAST_LOCKING_MIGRATION: i64 = 2;
 
-    /// The statements of `sql`, comments removed, upper-cased, whitespace collapsed. A rule
-    /// check, not a parser: good enough for DDL without dollar-quoted bodies.
-    fn statements(sql: &str) -> Vec<String> {
-        let code: String = sql
-            .lines()
-            .map(|line| line.split_once("--").map_or(line, |(code, _)| code))
-            .collect::<Vec<_>>()
-            .join("\n");
-        code.split(';')
-            .map(|s| {
-                s.split_whitespace()
-                    .collect::<Vec<_>>()
-                    .join(" ")
-                    .to_uppercase()
-            })
-            .filter(|s| !s.is_empty())
-            .collect()
-    }
-
     /// Why a migration would lock a table that may hold tens of millions of rows, if it does.
     fn locking_violation(sql: &str, no_tx: bool) -> Option<String> {
         let statements = statements(sql);
+        // A table created by the same migration is empty: indexing it locks nothing that
+        // matters, and CONCURRENTLY cannot run in the transaction that created it.
+        let created: Vec<&str> = statements
+            .iter()
+            .filter_map(|s| s.strip_prefix("CREATE TABLE "))
+            .filter_map(|rest| {
+                let rest = rest.strip_prefix("IF NOT EXISTS ").unwrap_or(rest);
+                rest.split(|c: char| c.is_whitespace() || c == '(').next()
+            })
+            .collect();
+        let indexes_new_table = |statement: &str| {
+            statement.split_once(" ON ").is_some_and(|(_, rest)| {
+                let rest = rest.strip_prefix("ONLY ").unwrap_or(rest);
+                rest.split(|c: char| c.is_whitespace() || c == '(')
+                    .next()
+                    .is_some_and(|table| created.contains(&table))
+            })
+        };
         let mut concurrent = false;
         for statement in &statements {
             let index_ddl = [
@@ -264,6 +345,9 @@ mod tests {
             .into_iter()
             .find(|prefix| statement.starts_with(prefix));
             if let Some(prefix) = index_ddl {
+                if prefix.starts_with("CREATE") && indexes_new_table(statement) {
+                    continue;
+                }
                 if !statement[prefix.len()..]
                     .trim_start()
                     .starts_with("CONCURRENTLY")
@@ -313,6 +397,10 @@ mod tests {
                 "CREATE INDEX CONCURRENTLY a ON message_inbox (x);\nCREATE INDEX CONCURRENTLY b ON message_inbox (y);",
                 true,
             ),
+            (
+                "CREATE TABLE outbox (id TEXT);\nCREATE INDEX idx ON message_inbox (id);",
+                false,
+            ),
         ];
         for (sql, no_tx) in locking {
             assert!(locking_violation(sql, no_tx).is_some(), "{sql}");
@@ -327,6 +415,10 @@ mod tests {
                 true,
             ),
             ("ALTER TABLE message_inbox ADD COLUMN note TEXT;", false),
+            (
+                "CREATE TABLE IF NOT EXISTS outbox (id TEXT);\nCREATE INDEX idx ON outbox (id);",
+                false,
+            ),
         ];
         for (sql, no_tx) in fine {
             assert_eq!(locking_violation(sql, no_tx), None, "{sql}");

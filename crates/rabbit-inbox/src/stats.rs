@@ -11,8 +11,16 @@ use std::{
 };
 
 use hdrhistogram::Histogram;
+use metrics::SharedString;
 
-use crate::processor::Outcome;
+use crate::{
+    envelope::Envelope,
+    processor::Outcome,
+    telemetry::{
+        TelemetryConfig,
+        metrics::{self as m, MessageTypeLabels},
+    },
+};
 
 /// Live counters of one [`crate::Consumer`]. Clone the `Arc` from [`crate::Consumer::stats`].
 #[derive(Debug)]
@@ -29,6 +37,9 @@ pub struct ConsumerStats {
     settle_failures: AtomicU64,
     settled: AtomicU64,
     sessions: AtomicU64,
+    /// The `consumer` label of the exported metrics.
+    consumer: SharedString,
+    types: MessageTypeLabels,
 }
 
 /// A copy of the counters at one moment.
@@ -60,6 +71,13 @@ pub struct StatsSnapshot {
 
 impl Default for ConsumerStats {
     fn default() -> Self {
+        Self::new("", &TelemetryConfig::default())
+    }
+}
+
+impl ConsumerStats {
+    /// Counters of `consumer`, its metrics labelled as `telemetry` says.
+    pub(crate) fn new(consumer: &str, telemetry: &TelemetryConfig) -> Self {
         Self {
             latency: Mutex::new(Histogram::new_with_bounds(1, 3_600_000_000, 3).ok()),
             received: AtomicU64::default(),
@@ -71,18 +89,59 @@ impl Default for ConsumerStats {
             settle_failures: AtomicU64::default(),
             settled: AtomicU64::default(),
             sessions: AtomicU64::default(),
+            // Shared, so that each label clone is a reference count, not a copy.
+            consumer: SharedString::from_shared(std::sync::Arc::from(consumer)),
+            types: MessageTypeLabels::new(telemetry),
         }
     }
-}
 
-impl ConsumerStats {
-    pub(crate) fn record_received(&self, n: u64) {
-        self.received.fetch_add(n, Relaxed);
-        metrics::counter!("rabbit_inbox_received_total").increment(n);
+    /// The `message_type` labels of these envelopes.
+    pub(crate) fn type_labels<'a>(
+        &self,
+        envelopes: impl IntoIterator<Item = &'a Envelope>,
+    ) -> Vec<SharedString> {
+        self.types
+            .fold(envelopes.into_iter().map(|e| e.message_type.as_str()))
     }
 
-    /// Counts a batch's outcomes: one metrics update per kind, not per message.
-    pub(crate) fn record_outcomes(&self, consumer: &str, outcomes: &[Outcome]) {
+    /// The `consumer` label.
+    pub(crate) fn consumer_label(&self) -> &SharedString {
+        &self.consumer
+    }
+
+    pub(crate) fn record_received(&self, n: u64) {
+        self.received.fetch_add(n, Relaxed);
+        metrics::counter!(m::RECEIVED, "consumer" => self.consumer.clone()).increment(n);
+    }
+
+    /// Counts a batch's outcomes: one metrics update per (type, outcome) and per (type,
+    /// duplicate reason) of the batch, not per message.
+    pub(crate) fn record_outcomes(&self, outcomes: &[Outcome], envelopes: &[&Envelope]) {
+        let types = self.type_labels(envelopes.iter().copied());
+        type Groups<'a> = Vec<((&'a SharedString, &'static str), u64)>;
+        fn bump<'a>(groups: &mut Groups<'a>, key: (&'a SharedString, &'static str)) {
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, n)) => *n += 1,
+                None => groups.push((key, 1)),
+            }
+        }
+        let mut by_outcome = Groups::new();
+        let mut duplicates = Groups::new();
+        for ((outcome, envelope), ty) in outcomes.iter().zip(envelopes).zip(&types) {
+            bump(&mut by_outcome, (ty, m::outcome_label(outcome)));
+            if matches!(outcome, Outcome::Duplicate) {
+                bump(&mut duplicates, (ty, m::duplicate_reason(envelope)));
+            }
+        }
+        for ((ty, outcome), n) in by_outcome {
+            metrics::counter!(m::OUTCOMES, "consumer" => self.consumer.clone(), "message_type" => ty.clone(), "outcome" => outcome)
+                .increment(n);
+        }
+        for ((ty, reason), n) in duplicates {
+            metrics::counter!(m::DUPLICATES, "consumer" => self.consumer.clone(), "message_type" => ty.clone(), "reason" => reason)
+                .increment(n);
+        }
+
         let mut counts = [0u64; 5];
         for outcome in outcomes {
             counts[match outcome {
@@ -94,30 +153,29 @@ impl ConsumerStats {
             }] += 1;
         }
         let kinds = [
-            (&self.processed, "processed"),
-            (&self.duplicates, "duplicate"),
-            (&self.retried, "retried"),
-            (&self.parked, "parked"),
-            (&self.unrecorded, "unrecorded"),
+            &self.processed,
+            &self.duplicates,
+            &self.retried,
+            &self.parked,
+            &self.unrecorded,
         ];
-        for ((counter, label), n) in kinds.into_iter().zip(counts) {
+        for (counter, n) in kinds.into_iter().zip(counts) {
             if n > 0 {
                 counter.fetch_add(n, Relaxed);
-                metrics::counter!("rabbit_inbox_outcomes_total", "consumer" => consumer.to_owned(), "outcome" => label)
-                    .increment(n);
             }
         }
     }
 
     pub(crate) fn record_settle_failures(&self, n: u64) {
         self.settle_failures.fetch_add(n, Relaxed);
-        metrics::counter!("rabbit_inbox_settle_failures_total").increment(n);
+        metrics::counter!(m::SETTLE_FAILURES, "consumer" => self.consumer.clone()).increment(n);
     }
 
     /// Records the delivery-to-settlement latency of settled deliveries, under one lock.
     pub(crate) fn record_latencies(&self, latencies: impl IntoIterator<Item = Duration>) {
         let mut guard = self.latency.lock().unwrap_or_else(PoisonError::into_inner);
-        let histogram = metrics::histogram!("rabbit_inbox_delivery_to_settle_seconds");
+        let histogram =
+            metrics::histogram!(m::DELIVERY_TO_SETTLE, "consumer" => self.consumer.clone());
         let mut n = 0;
         for latency in latencies {
             n += 1;

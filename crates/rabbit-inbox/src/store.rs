@@ -10,17 +10,26 @@ use std::{borrow::Cow, fmt, str::FromStr, sync::Arc, time::Duration};
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgConnection, Row, SqlSafeStr, SqlStr};
 
-use crate::{envelope::Envelope, error::StoreError, schema::SchemaName};
+use crate::{
+    config::PayloadStorage,
+    envelope::Envelope,
+    error::StoreError,
+    privacy::{PayloadPrivacy, PayloadRules, Phase, Sealed, StoredPayload},
+    schema::SchemaName,
+};
 
 /// Longest error message kept in `last_error_message`, in characters.
 pub const MAX_ERROR_MESSAGE_CHARS: usize = 2000;
 
 /// Status of an inbox row. Each one maps to exactly one broker action, so the ledger and the
 /// broker cannot disagree (see ARCHITECTURE.md).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum InboxStatus {
-    /// A transaction is working on it (never committed by the consumer runtime; a committed
-    /// PROCESSING row comes from a custom loop or a crash mid-way there).
+    /// Being worked on. The transactional mode never commits it (its claim commits PROCESSED
+    /// with the effect); leased mode commits it with a lease while the work runs outside any
+    /// transaction. Broker: the delivery is unacked. Any other committed PROCESSING row comes
+    /// from a custom loop or a crash mid-way there.
     Processing,
     /// The business effect committed. Broker: ack.
     Processed,
@@ -30,6 +39,10 @@ pub enum InboxStatus {
     PermanentFailed,
     /// Retries exhausted. Broker: parked.
     Poisoned,
+    /// Recovery found the row stale or its retry lost and set it aside for an operator
+    /// ([`crate::ops::RecoveryPolicy::ManualReview`], or no payload kept to republish).
+    /// Broker: a copy that still turns up is parked.
+    ManualReview,
 }
 
 impl InboxStatus {
@@ -41,12 +54,17 @@ impl InboxStatus {
             InboxStatus::RetryableFailed => "RETRYABLE_FAILED",
             InboxStatus::PermanentFailed => "PERMANENT_FAILED",
             InboxStatus::Poisoned => "POISONED",
+            InboxStatus::ManualReview => "MANUAL_REVIEW",
         }
     }
 
-    /// Whether the message sits in the parking lot when its row has this status.
+    /// Whether copies of the message belong in the parking lot when its row has this status
+    /// (only an explicit, audited reopen changes such a row).
     pub fn is_parked(self) -> bool {
-        matches!(self, InboxStatus::PermanentFailed | InboxStatus::Poisoned)
+        matches!(
+            self,
+            InboxStatus::PermanentFailed | InboxStatus::Poisoned | InboxStatus::ManualReview
+        )
     }
 }
 
@@ -65,6 +83,7 @@ impl FromStr for InboxStatus {
             "RETRYABLE_FAILED" => InboxStatus::RetryableFailed,
             "PERMANENT_FAILED" => InboxStatus::PermanentFailed,
             "POISONED" => InboxStatus::Poisoned,
+            "MANUAL_REVIEW" => InboxStatus::ManualReview,
             other => return Err(StoreError::Corrupt(format!("unknown status {other:?}"))),
         })
     }
@@ -165,7 +184,7 @@ pub struct Redelivery<'a> {
 /// or property: without this the row could never be written and the delivery would be requeued
 /// forever. The stored copy shows U+FFFD instead; the envelope a handler sees is unchanged.
 /// (Dedup keys never get here with one: control characters make a key malformed.)
-fn storable<'a>(text: impl Into<Cow<'a, str>>) -> Cow<'a, str> {
+pub(crate) fn storable<'a>(text: impl Into<Cow<'a, str>>) -> Cow<'a, str> {
     let text = text.into();
     if text.contains('\0') {
         Cow::Owned(text.replace('\0', "\u{FFFD}"))
@@ -207,6 +226,8 @@ fn storable_headers(headers: &serde_json::Map<String, serde_json::Value>) -> ser
 pub struct InboxStore {
     schema: SchemaName,
     sql: Arc<Sql>,
+    /// What of a body is stored; `None`: the body as it came, where the caller asks for it.
+    payload: Option<Arc<PayloadRules>>,
 }
 
 /// Statements, built once per store. The only spliced text is the schema name, which
@@ -221,16 +242,19 @@ struct Sql {
     lock_existing: SqlStr,
     find: SqlStr,
     find_payload: SqlStr,
+    find_stored_payload: SqlStr,
     reclaim: SqlStr,
     note_redeliveries: SqlStr,
     mark_processed: SqlStr,
     record_failure: SqlStr,
     find_stale: SqlStr,
     cleanup: SqlStr,
+    sample_open: SqlStr,
+    oldest_processed: SqlStr,
 }
 
 /// Shared (cheaply cloned) SQL text built from a validated schema name.
-fn audited(sql: String) -> SqlStr {
+pub(crate) fn audited(sql: String) -> SqlStr {
     AssertSqlSafe(std::sync::Arc::<str>::from(sql)).into_sql_str()
 }
 
@@ -254,14 +278,15 @@ impl Sql {
                 "WITH ins AS (INSERT INTO {t} (message_id, consumer_name, message_type, message_version, \
                    aggregate_type, aggregate_id, status, processing_attempt, \
                    processing_started_at, processed_at, payload_sha256, payload, headers, \
-                   correlation_id, causation_id, trace_id, tenant_id) \
+                   correlation_id, causation_id, trace_id, tenant_id, payload_key_id) \
                  SELECT u.id, $1, u.ty, u.ver, u.agg_ty, u.agg_id, $14, 1, now(), \
                    CASE WHEN $14 = 'PROCESSED' THEN now() END, \
-                   u.sha, u.body, u.headers, u.corr, u.cause, u.trace, u.tenant \
+                   u.sha, u.body, u.headers, u.corr, u.cause, u.trace, u.tenant, u.key_id \
                  FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::text[], $6::text[], \
                    $7::bytea[], $8::bytea[], $9::jsonb[], $10::text[], $11::text[], \
-                   $12::text[], $13::text[]) \
-                   AS u(id, ty, ver, agg_ty, agg_id, sha, body, headers, corr, cause, trace, tenant) \
+                   $12::text[], $13::text[], $15::text[]) \
+                   AS u(id, ty, ver, agg_ty, agg_id, sha, body, headers, corr, cause, trace, tenant, \
+                        key_id) \
                  ON CONFLICT (message_id, consumer_name) DO NOTHING \
                  RETURNING message_id) \
                  SELECT message_id, NULL::int8 AS txid, NULL::timestamptz AS db_now FROM ins \
@@ -277,6 +302,10 @@ impl Sql {
             )),
             find_payload: audited(format!(
                 "SELECT payload, headers FROM {t} WHERE consumer_name = $1 AND message_id = $2"
+            )),
+            find_stored_payload: audited(format!(
+                "SELECT payload, payload_key_id FROM {t} \
+                 WHERE consumer_name = $1 AND message_id = $2 AND payload IS NOT NULL"
             )),
             reclaim: audited(format!(
                 "UPDATE {t} SET status = 'PROCESSING', \
@@ -301,29 +330,31 @@ impl Sql {
             )),
             mark_processed: audited(format!(
                 "UPDATE {t} SET status = 'PROCESSED', processed_at = now(), \
-                   payload = CASE WHEN $3 THEN payload ELSE NULL END \
+                   payload = CASE WHEN $3 THEN payload ELSE NULL END, \
+                   payload_key_id = CASE WHEN $3 THEN payload_key_id ELSE NULL END \
                  WHERE consumer_name = $1 AND message_id = ANY($2) AND status = 'PROCESSING'"
             )),
             // One statement records every kind of failure. It never overwrites PROCESSED (another
             // copy committed the effect meanwhile: the failure is moot) nor a parked row
-            // (PERMANENT_FAILED, POISONED): its copy is in the parking lot, and only an explicit,
+            // (PERMANENT_FAILED, POISONED, MANUAL_REVIEW): its copy is in the parking lot, and only an explicit,
             // audited reopen may change it. A racing retryable failure must not revive it.
             // Many rows at once (keys distinct): a batch's failures are one statement.
             record_failure: audited(format!(
                 "INSERT INTO {t} AS i (message_id, consumer_name, message_type, message_version, \
                    aggregate_type, aggregate_id, status, processing_attempt, first_failed_at, \
                    last_failed_at, payload_sha256, payload, headers, last_error_code, \
-                   last_error_message, correlation_id, causation_id, trace_id, tenant_id) \
+                   last_error_message, correlation_id, causation_id, trace_id, tenant_id, \
+                   payload_key_id) \
                  SELECT u.id, $1, u.ty, u.ver, u.agg_ty, u.agg_id, \
                    CASE WHEN u.status = 'RETRYABLE_FAILED' AND 1 >= $17 THEN 'POISONED' \
                         ELSE u.status END, \
                    1, now(), now(), u.sha, u.body, u.headers, u.code, u.msg, u.corr, u.cause, \
-                   u.trace, u.tenant \
+                   u.trace, u.tenant, u.key_id \
                  FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::text[], $6::text[], \
                    $7::text[], $8::bytea[], $9::bytea[], $10::jsonb[], $11::text[], $12::text[], \
-                   $13::text[], $14::text[], $15::text[], $16::text[]) \
+                   $13::text[], $14::text[], $15::text[], $16::text[], $18::text[]) \
                    AS u(id, ty, ver, agg_ty, agg_id, status, sha, body, headers, code, msg, \
-                        corr, cause, trace, tenant) \
+                        corr, cause, trace, tenant, key_id) \
                  ON CONFLICT (message_id, consumer_name) DO UPDATE SET \
                    status = CASE WHEN EXCLUDED.status = 'RETRYABLE_FAILED' \
                                   AND i.processing_attempt + 1 >= $17 \
@@ -333,9 +364,12 @@ impl Sql {
                    first_failed_at = coalesce(i.first_failed_at, now()), \
                    last_failed_at = now(), \
                    payload = coalesce(EXCLUDED.payload, i.payload), \
+                   payload_key_id = CASE WHEN EXCLUDED.payload IS NULL THEN i.payload_key_id \
+                                         ELSE EXCLUDED.payload_key_id END, \
                    last_error_code = EXCLUDED.last_error_code, \
                    last_error_message = EXCLUDED.last_error_message \
-                 WHERE i.status NOT IN ('PROCESSED', 'PERMANENT_FAILED', 'POISONED') \
+                 WHERE i.status NOT IN ('PROCESSED', 'PERMANENT_FAILED', 'POISONED', \
+                   'MANUAL_REVIEW') \
                  RETURNING message_id, status, processing_attempt"
             )),
             find_stale: audited(format!(
@@ -351,8 +385,62 @@ impl Sql {
                      AND processed_at < now() - make_interval(secs => $2) \
                    LIMIT $3)"
             )),
+            // Open rows only: the partial index of open rows finds them, so the cost follows
+            // the (small) number of open rows, not the table. A RETRYABLE_FAILED row counts
+            // as unprocessed only once its retry delay ($3, seconds per attempt, the last for
+            // later attempts) has passed.
+            sample_open: audited(format!(
+                "SELECT \
+                   count(*) FILTER (WHERE status = 'PROCESSING') AS processing, \
+                   count(*) FILTER (WHERE status = 'RETRYABLE_FAILED') AS retryable_failed, \
+                   count(*) FILTER (WHERE status = 'PERMANENT_FAILED') AS permanent_failed, \
+                   count(*) FILTER (WHERE status = 'POISONED') AS poisoned, \
+                   count(*) FILTER (WHERE status = 'PROCESSING' \
+                     AND coalesce(processing_started_at, last_received_at) \
+                         < now() - make_interval(secs => $2)) AS stale_processing, \
+                   extract(epoch FROM now() - min(last_failed_at) \
+                     FILTER (WHERE status IN ('PERMANENT_FAILED', 'POISONED')))::float8 \
+                     AS parked_oldest_age, \
+                   extract(epoch FROM max(CASE \
+                     WHEN status = 'PROCESSING' \
+                       THEN now() - coalesce(processing_started_at, last_received_at) \
+                     WHEN status = 'RETRYABLE_FAILED' \
+                       THEN now() - last_failed_at - make_interval(secs => \
+                         ($3::float8[])[least(greatest(processing_attempt, 1), cardinality($3::float8[]))]) \
+                     END))::float8 AS oldest_unprocessed_age \
+                 FROM {t} WHERE consumer_name = $1 AND status <> 'PROCESSED'"
+            )),
+            // Rows older than the window first: the BRIN index on processed_at reads only the
+            // old block ranges. Only when none is older does it look at all processed rows.
+            oldest_processed: audited(format!(
+                "SELECT coalesce( \
+                   (SELECT min(processed_at) FROM {t} WHERE consumer_name = $1 \
+                      AND processed_at < now() - make_interval(secs => $2)), \
+                   (SELECT min(processed_at) FROM {t} WHERE consumer_name = $1 \
+                      AND processed_at IS NOT NULL)) AS oldest, now() AS db_now"
+            )),
         }
     }
+}
+
+/// What [`InboxStore::sample_open_rows`] found.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OpenRowsSample {
+    /// Committed PROCESSING rows.
+    pub processing: i64,
+    /// RETRYABLE_FAILED rows (waiting in a retry tier, or overdue).
+    pub retryable_failed: i64,
+    /// PERMANENT_FAILED rows (parked).
+    pub permanent_failed: i64,
+    /// POISONED rows (parked).
+    pub poisoned: i64,
+    /// PROCESSING rows older than the stale threshold.
+    pub stale_processing: i64,
+    /// Seconds since the oldest parked row's last failure; `None` without parked rows.
+    pub parked_oldest_age: Option<f64>,
+    /// Seconds the oldest stuck row has been waiting: a PROCESSING row since it started, an
+    /// overdue RETRYABLE_FAILED row since its retry delay ended. 0 when none is stuck.
+    pub oldest_unprocessed_age: f64,
 }
 
 fn record_from_row(row: &sqlx::postgres::PgRow) -> Result<InboxRecord, StoreError> {
@@ -385,7 +473,7 @@ fn trace_id(traceparent: Option<&str>) -> Option<String> {
     traceparent?.split('-').nth(1).map(str::to_owned)
 }
 
-fn truncate(s: &str, max_chars: usize) -> &str {
+pub(crate) fn truncate(s: &str, max_chars: usize) -> &str {
     match s.char_indices().nth(max_chars) {
         Some((i, _)) => &s[..i],
         None => s,
@@ -396,7 +484,46 @@ impl InboxStore {
     /// The inbox in `schema` (see [`crate::migrate`]).
     pub fn new(schema: SchemaName) -> Self {
         let sql = Arc::new(Sql::new(&schema));
-        Self { schema, sql }
+        Self {
+            schema,
+            sql,
+            payload: None,
+        }
+    }
+
+    /// Stores bodies as `default` and `privacy` say (per type: whether, redacted, sealed),
+    /// within what each call allows (its `store_payload`).
+    pub fn with_privacy(mut self, default: PayloadStorage, privacy: PayloadPrivacy) -> Self {
+        self.payload = Some(Arc::new(PayloadRules::new(default, privacy)));
+        self
+    }
+
+    /// Whether a PROCESSED row of `message_type` keeps its body (always, without privacy
+    /// rules: the caller decides).
+    pub(crate) fn keeps_processed_payload(&self, message_type: &str) -> bool {
+        self.payload
+            .as_ref()
+            .is_none_or(|r| r.keeps(message_type, Phase::Processed))
+    }
+
+    /// What goes into the payload columns for `envelope`, if the caller allows a body at all.
+    fn stored_body(
+        &self,
+        consumer: &str,
+        envelope: &Envelope,
+        phase: Phase,
+        allowed: bool,
+    ) -> Sealed {
+        if !allowed {
+            return Sealed::default();
+        }
+        match &self.payload {
+            None => Sealed {
+                payload: Some(envelope.body.clone()),
+                key_id: None,
+            },
+            Some(rules) => rules.seal(consumer, envelope, phase),
+        }
     }
 
     /// The schema.
@@ -495,6 +622,14 @@ impl InboxStore {
         order.sort_by(|&a, &b| envelopes[a].message_id.cmp(&envelopes[b].message_id));
         let sorted = order.iter().map(|&i| envelopes[i]);
 
+        let phase = match status {
+            InboxStatus::Processed => Phase::Processed,
+            _ => Phase::Failed,
+        };
+        let sealed: Vec<Sealed> = sorted
+            .clone()
+            .map(|e| self.stored_body(consumer, e, phase, store_payload))
+            .collect();
         let rows: Vec<ClaimRow> = sqlx::query_as(self.sql.claim.clone())
             .bind(consumer)
             .bind(
@@ -534,9 +669,9 @@ impl InboxStore {
                     .collect::<Vec<_>>(),
             )
             .bind(
-                sorted
-                    .clone()
-                    .map(|e| store_payload.then_some(&e.body[..]))
+                sealed
+                    .iter()
+                    .map(|s| s.payload.as_deref())
                     .collect::<Vec<_>>(),
             )
             .bind(
@@ -569,6 +704,12 @@ impl InboxStore {
                     .collect::<Vec<_>>(),
             )
             .bind(status.as_str())
+            .bind(
+                sealed
+                    .iter()
+                    .map(|s| s.key_id.as_deref())
+                    .collect::<Vec<_>>(),
+            )
             .fetch_all(&mut *conn)
             .await?;
 
@@ -676,7 +817,8 @@ impl InboxStore {
         row.as_ref().map(record_from_row).transpose()
     }
 
-    /// Reads the stored raw body (if kept) and headers of one row.
+    /// Reads the stored body (if kept; sealed when encryption is on, see
+    /// [`InboxStore::find_stored_payload`]) and headers of one row.
     pub async fn find_payload(
         &self,
         conn: &mut PgConnection,
@@ -691,6 +833,25 @@ impl InboxStore {
             .await?;
         row.map(|r| Ok((r.try_get("payload")?, r.try_get("headers")?)))
             .transpose()
+    }
+
+    /// Reads the stored payload of one row as it is stored (maybe redacted, maybe sealed);
+    /// [`crate::privacy::open_payload`] turns it back into the body. `None`: no row, or no
+    /// payload kept.
+    pub async fn find_stored_payload(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        message_id: &str,
+    ) -> Result<Option<StoredPayload>, StoreError> {
+        let row: Option<(Vec<u8>, Option<String>)> =
+            sqlx::query_as(self.sql.find_stored_payload.clone())
+                .persistent(false)
+                .bind(consumer)
+                .bind(message_id)
+                .fetch_optional(conn)
+                .await?;
+        Ok(row.map(|(bytes, key_id)| StoredPayload { bytes, key_id }))
     }
 
     /// Moves claimed-by-conflict rows (RETRYABLE_FAILED, or stale PROCESSING) back to
@@ -791,6 +952,10 @@ impl InboxStore {
         let column = |f: &dyn Fn(&Envelope, &Failure<'_>) -> Option<String>| {
             failures.iter().map(|(e, x)| f(e, x)).collect::<Vec<_>>()
         };
+        let sealed: Vec<Sealed> = failures
+            .iter()
+            .map(|(e, f)| self.stored_body(consumer, e, Phase::Failed, f.store_payload))
+            .collect();
         let rows = sqlx::query(self.sql.record_failure.clone())
             .bind(consumer)
             .bind(
@@ -827,9 +992,9 @@ impl InboxStore {
                     .collect::<Vec<_>>(),
             )
             .bind(
-                failures
+                sealed
                     .iter()
-                    .map(|(e, f)| f.store_payload.then_some(&e.body[..]))
+                    .map(|s| s.payload.as_deref())
                     .collect::<Vec<_>>(),
             )
             .bind(
@@ -857,6 +1022,12 @@ impl InboxStore {
                 e.tenant_id.as_deref().map(|t| storable(t).into_owned())
             }))
             .bind(max_attempts)
+            .bind(
+                sealed
+                    .iter()
+                    .map(|s| s.key_id.as_deref())
+                    .collect::<Vec<_>>(),
+            )
             .fetch_all(conn)
             .await?;
         let mut recorded = std::collections::HashMap::with_capacity(rows.len());
@@ -891,6 +1062,59 @@ impl InboxStore {
             .collect()
     }
 
+    /// Counts the open (not PROCESSED) rows of `consumer` by status, with the age of the
+    /// oldest stuck and the oldest parked one, in one query over the index of open rows.
+    /// `stale_after` is the stale-PROCESSING threshold, `retry` gives each attempt's delay.
+    pub async fn sample_open_rows(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        stale_after: Duration,
+        retry: &crate::RetryPolicy,
+    ) -> Result<OpenRowsSample, StoreError> {
+        let delays: Vec<f64> = retry.delays.iter().map(Duration::as_secs_f64).collect();
+        let row = sqlx::query(self.sql.sample_open.clone())
+            .persistent(false)
+            .bind(consumer)
+            .bind(stale_after.as_secs_f64())
+            .bind(&delays)
+            .fetch_one(conn)
+            .await?;
+        Ok(OpenRowsSample {
+            processing: row.try_get("processing")?,
+            retryable_failed: row.try_get("retryable_failed")?,
+            permanent_failed: row.try_get("permanent_failed")?,
+            poisoned: row.try_get("poisoned")?,
+            stale_processing: row.try_get("stale_processing")?,
+            parked_oldest_age: row.try_get("parked_oldest_age")?,
+            oldest_unprocessed_age: row
+                .try_get::<Option<f64>, _>("oldest_unprocessed_age")?
+                .unwrap_or(0.0)
+                .max(0.0),
+        })
+    }
+
+    /// Seconds by which the retained PROCESSED history of `consumer` reaches past
+    /// `replay_window` (negative: it is shorter than the window); `None` without processed
+    /// rows. Cheap while retention keeps the history near the window (the BRIN index reads
+    /// only the ranges older than it); a history shorter than the window is read in full.
+    pub async fn dedup_window_headroom(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        replay_window: Duration,
+    ) -> Result<Option<f64>, StoreError> {
+        let row = sqlx::query(self.sql.oldest_processed.clone())
+            .persistent(false)
+            .bind(consumer)
+            .bind(replay_window.as_secs_f64())
+            .fetch_one(conn)
+            .await?;
+        let oldest: Option<DateTime<Utc>> = row.try_get("oldest")?;
+        let now: DateTime<Utc> = row.try_get("db_now")?;
+        Ok(oldest.map(|oldest| (now - oldest).as_seconds_f64() - replay_window.as_secs_f64()))
+    }
+
     /// Deletes up to `limit` PROCESSED rows older than `older_than`; call in a loop until it
     /// returns 0. Keep `older_than` at least as long as the longest replay window (DLQ replays,
     /// outbox republishes): a deleted row no longer suppresses a duplicate.
@@ -901,14 +1125,17 @@ impl InboxStore {
         older_than: Duration,
         limit: i64,
     ) -> Result<u64, StoreError> {
-        Ok(sqlx::query(self.sql.cleanup.clone())
+        let deleted = sqlx::query(self.sql.cleanup.clone())
             .persistent(false)
             .bind(consumer)
             .bind(older_than.as_secs_f64())
             .bind(limit)
             .execute(conn)
             .await?
-            .rows_affected())
+            .rows_affected();
+        metrics::counter!(crate::telemetry::metrics::RETENTION_DELETED, "consumer" => consumer.to_owned())
+            .increment(deleted);
+        Ok(deleted)
     }
 }
 
@@ -924,6 +1151,7 @@ mod tests {
             InboxStatus::RetryableFailed,
             InboxStatus::PermanentFailed,
             InboxStatus::Poisoned,
+            InboxStatus::ManualReview,
         ] {
             assert_eq!(s.as_str().parse::<InboxStatus>().ok(), Some(s));
         }

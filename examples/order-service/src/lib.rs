@@ -13,7 +13,8 @@ mod tables;
 use std::time::Duration;
 
 use rabbit_inbox::{
-    ConsumerConfig, Handler, HandlerError, InboxMessage, RetryPolicy, SchemaName, Topology,
+    ConsumerConfig, Handler, HandlerError, InboxMessage, OutboxMessage, RetryPolicy, SchemaName,
+    Topology,
 };
 use serde::Deserialize;
 use sqlx::PgConnection;
@@ -26,6 +27,11 @@ pub const CONSUMER_NAME: &str = "order-service";
 pub const EXCHANGE: &str = "orders";
 /// The service's work queue.
 pub const QUEUE: &str = "order-service";
+/// Topic exchange the service emits its events to (`OrderPaid` with routing key `order.paid`),
+/// through its outbox.
+pub const EVENTS_EXCHANGE: &str = "order-events";
+/// Routing key of `OrderPaid`.
+pub const ORDER_PAID_KEY: &str = "order.paid";
 
 /// The service's configuration: queue `order-service` bound to exchange `orders` with `order.#`,
 /// inbox and business tables in `schema`.
@@ -46,13 +52,36 @@ pub fn config(schema: SchemaName, queue: &str, exchange: &str) -> ConsumerConfig
 /// The handler. Amounts are integers in minor units (cents).
 pub struct OrderHandler {
     schema: SchemaName,
+    events_exchange: String,
 }
 
 impl OrderHandler {
-    /// A handler whose tables live in `schema`.
+    /// A handler whose tables live in `schema`, emitting to [`EVENTS_EXCHANGE`].
     pub fn new(schema: SchemaName) -> Self {
-        Self { schema }
+        Self {
+            schema,
+            events_exchange: EVENTS_EXCHANGE.to_owned(),
+        }
     }
+
+    /// Emits its events to `exchange` instead.
+    pub fn with_events_exchange(mut self, exchange: impl Into<String>) -> Self {
+        self.events_exchange = exchange.into();
+        self
+    }
+}
+
+/// `OrderPaid`, emitted once per order when its paid total reaches its total.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
+pub struct OrderPaid {
+    /// The order.
+    pub order_id: String,
+    /// Its customer.
+    pub customer_id: String,
+    /// Its total, in cents.
+    pub total: i64,
+    /// What was paid, in cents (at least the total).
+    pub paid: i64,
 }
 
 #[derive(Deserialize)]
@@ -106,13 +135,34 @@ impl Handler for OrderHandler {
                     .add_payment(tx, &m.order_id, m.amount, msg.message_id())
                     .await?
                 {
-                    tables::Transition::Applied => Ok(()),
+                    Ok(paid) if paid.completed => {
+                        // Through the outbox, in this transaction: emitted if and only if the
+                        // payment commits, with an id derived from this payment's, so a replay
+                        // emits the same id and the shipping inbox drops the copy.
+                        let event = OrderPaid {
+                            order_id: m.order_id.clone(),
+                            customer_id: paid.customer_id,
+                            total: paid.total,
+                            paid: paid.paid,
+                        };
+                        let out = OutboxMessage::json(
+                            "OrderPaid",
+                            &self.events_exchange,
+                            ORDER_PAID_KEY,
+                            &event,
+                        )?
+                        .with_aggregate("Order", &m.order_id);
+                        msg.outbox(tx).enqueue(out).await?;
+                        Ok(())
+                    }
+                    Ok(_) => Ok(()),
+                    Err(tables::Transition::Applied) => Ok(()),
                     // It may arrive before its order: retry until the budget runs out.
-                    tables::Transition::NotFound => Err(HandlerError::retryable(
+                    Err(tables::Transition::NotFound) => Err(HandlerError::retryable(
                         "order_not_found",
                         format!("order {} does not exist (yet)", m.order_id),
                     )),
-                    tables::Transition::Refused(status) => Err(HandlerError::permanent(
+                    Err(tables::Transition::Refused(status)) => Err(HandlerError::permanent(
                         "invalid_transition",
                         format!("order {} is {status}; payment refused", m.order_id),
                     )),

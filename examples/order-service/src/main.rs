@@ -1,11 +1,13 @@
 //! Run with: `cargo run -p order-service`
 //!
-//! Consumes the `order-service` queue until SIGINT or SIGTERM. `DATABASE_URL` (default
-//! `postgres://postgres@127.0.0.1:5432/postgres`), `AMQP_URL` (default
-//! `amqp://guest:guest@127.0.0.1:5672/%2f`), `INBOX_SCHEMA` (default `order_service`).
+//! Consumes the `order-service` queue until SIGINT or SIGTERM, and relays its outbox
+//! (`OrderPaid` events to exchange `order-events`) in the same process unless
+//! `OUTBOX_RELAY=off`. `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`),
+//! `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`), `INBOX_SCHEMA` (default
+//! `order_service`).
 
 use anyhow::Context;
-use rabbit_inbox::{Consumer, SchemaName};
+use rabbit_inbox::{Broker, Consumer, RelayConfig, SchemaName};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -30,12 +32,20 @@ async fn main() -> anyhow::Result<()> {
         order_service::QUEUE,
         order_service::EXCHANGE,
     );
-    let consumer = Consumer::new(
+    let broker = Broker::connect(&amqp_url, "order-service setup").await?;
+    broker
+        .declare_exchange(order_service::EVENTS_EXCHANGE)
+        .await?;
+    broker.close().await;
+    let mut consumer = Consumer::new(
         amqp_url,
-        pool,
+        pool.clone(),
         config,
-        order_service::OrderHandler::new(schema),
+        order_service::OrderHandler::new(schema.clone()),
     )?;
+    if std::env::var("OUTBOX_RELAY").as_deref() != Ok("off") {
+        consumer = consumer.with_relay(pool, RelayConfig::new(schema))?;
+    }
     consumer.run(rabbit_inbox::shutdown_signal()).await?;
     Ok(())
 }

@@ -53,6 +53,15 @@ pub(crate) enum Transition {
     Refused(String),
 }
 
+/// A payment that was applied, and whether it completed the order (PLACED -> PAID, which the
+/// guarded update lets happen once per order).
+pub(crate) struct Paid {
+    pub(crate) completed: bool,
+    pub(crate) customer_id: String,
+    pub(crate) total: i64,
+    pub(crate) paid: i64,
+}
+
 pub(crate) struct Tables {
     insert_order: SqlStr,
     pay: SqlStr,
@@ -74,7 +83,8 @@ impl Tables {
                 "UPDATE \"{schema}\".orders SET paid_cents = paid_cents + $2, \
                    status = CASE WHEN paid_cents + $2 >= total_cents THEN 'PAID' ELSE status END, \
                    version = version + 1, updated_at = now() \
-                 WHERE order_id = $1 AND status = 'PLACED'"
+                 WHERE order_id = $1 AND status = 'PLACED' \
+                 RETURNING status, customer_id, total_cents, paid_cents"
             )),
             history: q(format!(
                 "INSERT INTO \"{schema}\".payment_history (order_id, amount_cents, message_id) VALUES ($1, $2, $3)"
@@ -113,23 +123,27 @@ impl Tables {
         order_id: &str,
         amount: i64,
         message_id: &str,
-    ) -> Result<Transition, sqlx::Error> {
+    ) -> Result<Result<Paid, Transition>, sqlx::Error> {
         let updated = sqlx::query(self.pay.clone())
             .bind(order_id)
             .bind(amount)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-        if updated == 0 {
-            return self.refusal(tx, order_id).await;
-        }
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(row) = updated else {
+            return self.refusal(tx, order_id).await.map(Err);
+        };
         sqlx::query(self.history.clone())
             .bind(order_id)
             .bind(amount)
             .bind(message_id)
             .execute(&mut *tx)
             .await?;
-        Ok(Transition::Applied)
+        Ok(Ok(Paid {
+            completed: row.try_get::<&str, _>("status")? == "PAID",
+            customer_id: row.try_get("customer_id")?,
+            total: row.try_get("total_cents")?,
+            paid: row.try_get("paid_cents")?,
+        }))
     }
 
     pub(crate) async fn cancel(
@@ -159,6 +173,11 @@ impl Tables {
             .await?;
         Ok(match status {
             None => Transition::NotFound,
+            // The guarded update found no PLACED row, yet one is there now: the order's
+            // transaction committed between the two statements (each takes its own snapshot
+            // under READ COMMITTED). It did not exist for the update, so the message is retried
+            // like one that came before its order, not refused.
+            Some(s) if s == "PLACED" => Transition::NotFound,
             Some(s) => Transition::Refused(s),
         })
     }
@@ -187,6 +206,18 @@ pub struct Verification {
     pub ledger_without_effect: i64,
     /// Orders whose paid total differs from the sum of their payment rows.
     pub paid_mismatches: i64,
+    /// PAID orders.
+    pub paid_orders: i64,
+    /// `OrderPaid` messages in the outbox.
+    pub order_paid_events: i64,
+    /// PAID orders without an `OrderPaid` in the outbox: an emitted message lost.
+    pub paid_without_event: i64,
+    /// Orders with more than one `OrderPaid`, or one without being PAID.
+    pub wrong_events: i64,
+    /// Messages poisoned as `order_not_found` although their order exists: the order arrived
+    /// after the message's retry budget ran out (it was held up), so the message waits in the
+    /// parking lot for a redrive.
+    pub poisoned_before_their_order: i64,
 }
 
 impl Verification {
@@ -196,6 +227,8 @@ impl Verification {
             && self.effects_without_ledger == 0
             && self.ledger_without_effect == 0
             && self.paid_mismatches == 0
+            && self.paid_without_event == 0
+            && self.wrong_events == 0
     }
 }
 
@@ -224,7 +257,23 @@ pub async fn verify(pool: &PgPool, schema: &SchemaName) -> Result<Verification, 
              LEFT JOIN (SELECT order_id, sum(amount_cents) AS paid FROM "{s}".payment_history
                         GROUP BY order_id) p USING (order_id)
              WHERE o.paid_cents <> coalesce(p.paid, 0)
-          ) AS paid_mismatches
+          ) AS paid_mismatches,
+          (SELECT count(*) FROM "{s}".orders WHERE status = 'PAID') AS paid_orders,
+          (SELECT count(*) FROM "{s}".outbox WHERE message_type = 'OrderPaid') AS order_paid_events,
+          (SELECT count(*) FROM "{s}".orders o WHERE o.status = 'PAID' AND NOT EXISTS (
+             SELECT 1 FROM "{s}".outbox e WHERE e.message_type = 'OrderPaid'
+               AND e.aggregate_id = o.order_id)
+          ) AS paid_without_event,
+          (SELECT count(*) FROM (SELECT e.aggregate_id FROM "{s}".outbox e
+             LEFT JOIN "{s}".orders o ON o.order_id = e.aggregate_id
+             WHERE e.message_type = 'OrderPaid'
+             GROUP BY e.aggregate_id
+             HAVING count(*) > 1 OR bool_or(o.status IS DISTINCT FROM 'PAID')) w
+          ) AS wrong_events,
+          (SELECT count(*) FROM inbox i WHERE i.status = 'POISONED'
+             AND i.last_error_code = 'order_not_found' AND EXISTS (
+             SELECT 1 FROM "{s}".orders o WHERE o.order_id = i.aggregate_id)
+          ) AS poisoned_before_their_order
         "#,
         s = schema
     );
@@ -243,5 +292,10 @@ pub async fn verify(pool: &PgPool, schema: &SchemaName) -> Result<Verification, 
         effects_without_ledger: row.try_get("effects_without_ledger")?,
         ledger_without_effect: row.try_get("ledger_without_effect")?,
         paid_mismatches: row.try_get("paid_mismatches")?,
+        paid_orders: row.try_get("paid_orders")?,
+        order_paid_events: row.try_get("order_paid_events")?,
+        paid_without_event: row.try_get("paid_without_event")?,
+        wrong_events: row.try_get("wrong_events")?,
+        poisoned_before_their_order: row.try_get("poisoned_before_their_order")?,
     })
 }

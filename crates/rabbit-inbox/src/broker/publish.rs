@@ -43,7 +43,7 @@ pub struct OutgoingMessage {
 
 impl OutgoingMessage {
     /// AMQP properties: persistent, JSON, with the id, type, correlation id and headers.
-    fn properties(&self) -> Result<BasicProperties, BrokerError> {
+    pub(super) fn properties(&self) -> Result<BasicProperties, BrokerError> {
         let mut properties = BasicProperties::default()
             .with_delivery_mode(2)
             .with_content_type("application/json".into())
@@ -59,6 +59,13 @@ impl OutgoingMessage {
         }
         Ok(properties)
     }
+}
+
+/// Whether `message` can be expressed in AMQP (short strings within 255 bytes, headers
+/// convertible): checked when a message is written to the outbox, so the relay never holds a
+/// row it cannot publish.
+pub(crate) fn check_publishable(message: &OutgoingMessage) -> Result<(), BrokerError> {
+    message.properties().map(|_| ())
 }
 
 /// Queue depths of a topology, see [`Broker::queue_depths`].
@@ -102,6 +109,12 @@ impl Broker {
         retry: &RetryPolicy,
     ) -> Result<(), BrokerError> {
         declare(&self.channel, topology, retry).await
+    }
+
+    /// Declares a durable topic exchange, such as the one a service's outbox publishes its
+    /// events to. Idempotent.
+    pub async fn declare_exchange(&self, exchange: &str) -> Result<(), BrokerError> {
+        super::topology::declare_exchange(&self.channel, exchange).await
     }
 
     /// Publishes and waits for the broker's confirm. Unroutable messages are errors.
@@ -261,7 +274,7 @@ struct PublishLink {
     channel: Channel,
 }
 
-async fn confirm_channel(connection: &Connection) -> Result<Channel, BrokerError> {
+pub(super) async fn confirm_channel(connection: &Connection) -> Result<Channel, BrokerError> {
     let channel = connection.create_channel().await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())

@@ -89,6 +89,10 @@ pub(crate) fn is_fatal(e: &BrokerError) -> bool {
         // Producer-side input errors; the consumer's parking path only republishes names
         // that already came through AMQP, so they never stop a consumer.
         BrokerError::NotConfirmed(_) | BrokerError::TooLong { .. } => false,
+        // A node that did not answer: the next attempt tries every address again.
+        BrokerError::ConnectTimeout(_) => false,
+        // Checked when the consumer is built; retrying cannot fix it.
+        BrokerError::InvalidAddress(_) => true,
     }
 }
 

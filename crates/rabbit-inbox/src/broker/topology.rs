@@ -79,17 +79,7 @@ pub(super) async fn declare(
         )
         .await?;
     if let Some(exchange) = &topology.exchange {
-        channel
-            .exchange_declare(
-                exchange.as_str().into(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..ExchangeDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
+        declare_exchange(channel, exchange).await?;
         for key in &topology.binding_keys {
             channel
                 .queue_bind(
@@ -102,5 +92,21 @@ pub(super) async fn declare(
                 .await?;
         }
     }
+    Ok(())
+}
+
+/// Declares a durable topic exchange (idempotent).
+pub(super) async fn declare_exchange(channel: &Channel, exchange: &str) -> Result<(), BrokerError> {
+    channel
+        .exchange_declare(
+            super::headers::short("exchange", exchange)?,
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
     Ok(())
 }

@@ -452,7 +452,7 @@ pub(crate) struct Running {
 
 impl Running {
     /// Runs `consumer` in a task.
-    fn spawn<H: BatchHandler>(consumer: Consumer<H>) -> Self {
+    pub(crate) fn spawn<H: 'static>(consumer: Consumer<H>) -> Self {
         let stats = consumer.stats();
         #[cfg(feature = "fault-injection")]
         let faults = consumer.faults();

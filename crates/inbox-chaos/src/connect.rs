@@ -17,14 +17,14 @@ fn address(url: &str) -> &str {
 
 /// Pool size for a command that runs a consumer with `lanes` lanes (0 for none): each lane
 /// holds one connection while it runs, and the handler and the tool need a few more.
-pub(crate) fn pool_size(lanes: usize) -> u32 {
+pub fn pool_size(lanes: usize) -> u32 {
     u32::try_from(lanes)
         .unwrap_or(u32::MAX)
         .saturating_add(6)
         .max(8)
 }
 
-pub(crate) async fn postgres(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
+pub async fn postgres(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
     let options: PgConnectOptions = url
         .parse()
         .map_err(|e| anyhow!("invalid DATABASE_URL {}: {e}", address(url)))?;
@@ -46,14 +46,37 @@ pub(crate) async fn postgres(url: &str, max_connections: u32) -> anyhow::Result<
         })
 }
 
-pub(crate) async fn rabbitmq(url: &str) -> anyhow::Result<Broker> {
+/// The broker addresses of an AMQP URL list, without credentials.
+fn broker_addresses(url: &str) -> String {
+    rabbit_inbox::AmqpAddresses::parse(url)
+        .map_or_else(|_| address(url).to_owned(), |a| a.to_string())
+}
+
+pub async fn rabbitmq(url: &str) -> anyhow::Result<Broker> {
     Broker::connect(url, "inboxctl").await.map_err(|e| {
         anyhow!(
             "cannot reach RabbitMQ at {} ({e}).\n  Start it with: rabbitmq-server -detached\n  \
-             or point AMQP_URL at a running broker.",
-            address(url)
+             or point AMQP_URL at a running broker (several nodes: comma-separated URLs).",
+            broker_addresses(url)
         )
     })
+}
+
+/// The parking lot of `work_queue`, with an error that names the broker and how to start it.
+pub async fn parking_lot(
+    url: &str,
+    work_queue: &str,
+    parking_queue: &str,
+) -> anyhow::Result<rabbit_inbox::ParkingLot> {
+    rabbit_inbox::ParkingLot::connect(url, work_queue, parking_queue)
+        .await
+        .map_err(|e| {
+            anyhow!(
+                "cannot reach RabbitMQ at {} ({e}).\n  Start it with: rabbitmq-server -detached\n  \
+                 or point AMQP_URL at a running broker.",
+                broker_addresses(url)
+            )
+        })
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use rabbit_inbox::{Consumer, SchemaName};
 use crate::{Servers, clean_slate, scenario::Scenario};
 
 #[derive(Args)]
-pub(crate) struct SoakArgs {
+pub struct SoakArgs {
     /// Messages published per second.
     #[arg(long, default_value_t = 500)]
     rate: u32,
@@ -61,7 +61,8 @@ fn memory_bounded(samples: &[f64], max_growth: f64) -> bool {
     last <= baseline * (1.0 + max_growth)
 }
 
-pub(crate) async fn run(servers: &Servers, args: SoakArgs) -> anyhow::Result<ExitCode> {
+/// The soak run; exit code 1 if memory keeps growing or effects are not exactly-once.
+pub async fn run(servers: &Servers, args: SoakArgs) -> anyhow::Result<ExitCode> {
     if args.rate == 0 || args.interval_secs == 0 {
         anyhow::bail!("--rate and --interval-secs must be at least 1");
     }

@@ -15,17 +15,17 @@ use serde_json::Value;
 /// the AMQP client's encoder, which recurses, to publish from this process's default thread
 /// stack. (The deepest header a frame allows is the library's own integration test, which
 /// writes raw frames.)
-pub(crate) const DEEP_HEADER_LEVELS: usize = 100;
+pub const DEEP_HEADER_LEVELS: usize = 100;
 
 /// Bytes of each oversized producer field: past PostgreSQL's B-tree row limit (about 2.7 KB).
 const OVERSIZED_FIELD_BYTES: usize = 5_000;
 
 /// Per-message TTL of the expiring poison messages, in milliseconds.
-pub(crate) const EXPIRATION_MS: u64 = 20_000;
+pub const EXPIRATION_MS: u64 = 20_000;
 
 /// Hostile inputs the stream (or the run) can carry on top of the ordinary stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
-pub(crate) enum Hostile {
+pub enum Hostile {
     /// A header nested 100 arrays deep: parked as `headers_too_deep`.
     DeepHeaders,
     /// A 5 KB incompressible `x-aggregate-id`, alone and with long causation, tenant,
@@ -43,7 +43,7 @@ pub(crate) enum Hostile {
 
 #[cfg(test)]
 impl Hostile {
-    pub(crate) const ALL: [Hostile; 5] = [
+    pub const ALL: [Hostile; 5] = [
         Hostile::DeepHeaders,
         Hostile::OversizedFields,
         Hostile::Expiration,
@@ -53,11 +53,11 @@ impl Hostile {
 }
 
 /// One message to publish.
-pub(crate) struct Published {
-    pub(crate) routing_key: String,
-    pub(crate) message: OutgoingMessage,
+pub struct Published {
+    pub routing_key: String,
+    pub message: OutgoingMessage,
     /// AMQP `expiration` (per-message TTL, milliseconds), if any.
-    pub(crate) expiration: Option<String>,
+    pub expiration: Option<String>,
 }
 
 impl Drop for Published {
@@ -79,50 +79,50 @@ impl Drop for Published {
 }
 
 /// A hostile message of the stream and the outcome it must have.
-pub(crate) struct HostileMessage {
-    pub(crate) kind: Hostile,
+pub struct HostileMessage {
+    pub kind: Hostile,
     /// Its AMQP message id (the parked copy keeps it).
-    pub(crate) message_id: String,
+    pub message_id: String,
     /// Parked as a payload conflict without a row of its own, rather than parked with a row.
-    pub(crate) conflict: bool,
+    pub conflict: bool,
 }
 
 /// What the database must show once the stream is consumed.
 #[derive(Debug, Default)]
-pub(crate) struct Expected {
+pub struct Expected {
     /// Orders created.
-    pub(crate) orders: i64,
+    pub orders: i64,
     /// Payments applied (one row each).
-    pub(crate) payments: i64,
+    pub payments: i64,
     /// Inbox rows parked (PERMANENT_FAILED or POISONED).
-    pub(crate) parked_rows: i64,
+    pub parked_rows: i64,
     /// Copies parked without a row of their own (same id, other body).
-    pub(crate) conflicts: i64,
+    pub conflicts: i64,
 }
 
-pub(crate) struct Scenario {
-    pub(crate) messages: Vec<Published>,
+pub struct Scenario {
+    pub messages: Vec<Published>,
     /// Distinct inbox keys (including the synthetic keys of id-less messages).
-    pub(crate) unique_keys: usize,
+    pub unique_keys: usize,
     /// Exact duplicates injected (same id, same body).
-    pub(crate) duplicates: usize,
+    pub duplicates: usize,
     /// Payments published before their order.
-    pub(crate) out_of_order: usize,
-    pub(crate) expected: Expected,
+    pub out_of_order: usize,
+    pub expected: Expected,
     /// A payment whose commit is followed by a dropped connection (crash before ack).
-    pub(crate) crash_after_commit_of: String,
+    pub crash_after_commit_of: String,
     /// The hostile messages in the stream.
-    pub(crate) hostile: Vec<HostileMessage>,
+    pub hostile: Vec<HostileMessage>,
 }
 
 impl Scenario {
     /// The ordinary stream, without hostile inputs.
-    pub(crate) fn generate(orders: usize, seed: u64) -> Self {
+    pub fn generate(orders: usize, seed: u64) -> Self {
         Self::generate_with(orders, seed, &[])
     }
 
     /// The stream with the `hostile` inputs added; the ordinary part is the same as without.
-    pub(crate) fn generate_with(orders: usize, seed: u64, hostile: &[Hostile]) -> Self {
+    pub fn generate_with(orders: usize, seed: u64, hostile: &[Hostile]) -> Self {
         let mut rng = StdRng::seed_from_u64(seed);
         // Hostile material from a stream of its own, so the ordinary part does not depend on it.
         let mut hostile_rng = StdRng::seed_from_u64(seed ^ 0x4057_11e5);

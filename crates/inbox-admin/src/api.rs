@@ -1,0 +1,529 @@
+//! The JSON endpoints under `/api/v1`: inspection (read scope) and operator actions (admin
+//! scope). Each handler parses its request, calls [`Operations`](rabbit_inbox::ops::Operations)
+//! and returns the operation's report as JSON; no operation is implemented here.
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{
+    Extension, Json,
+    extract::{Path, Query, State},
+};
+use chrono::{DateTime, Utc};
+use rabbit_inbox::{
+    Broker, InboxStatus, ParkingLot, PayloadStorage, RetentionPolicy,
+    ops::{
+        Actor, CleanupReport, CleanupRequest, DoctorReport, DoctorRequest, FailureGroup,
+        ListFilter, ListPage, NoProgress, RecoverRequest, RecoveryPolicy, RecoveryReport,
+        RedriveReport, RedriveRequest, Reopened, ShowQuery, ShowReport, StatusQuery, StatusReport,
+    },
+};
+use serde::Deserialize;
+use utoipa::{IntoParams, ToSchema};
+
+use crate::{AdminState, BROKER_TIMEOUT, auth::Caller, error::ApiError};
+
+/// A duration in humantime form (`90s`, `5m`, `2h`, `30days`).
+fn duration(name: &str, text: &str) -> Result<Duration, ApiError> {
+    humantime::parse_duration(text)
+        .map_err(|e| ApiError::bad_request(format!("invalid {name} {text:?}: {e}")))
+}
+
+/// A point in time: RFC 3339, or a duration meaning that long ago (`2h`).
+fn instant(name: &str, text: &str) -> Result<DateTime<Utc>, ApiError> {
+    if let Ok(t) = DateTime::parse_from_rfc3339(text) {
+        return Ok(t.with_timezone(&Utc));
+    }
+    let ago = humantime::parse_duration(text).map_err(|_| {
+        ApiError::bad_request(format!(
+            "invalid {name} {text:?}: expected RFC 3339 or a duration ago such as 2h"
+        ))
+    })?;
+    chrono::Duration::from_std(ago)
+        .ok()
+        .and_then(|ago| Utc::now().checked_sub_signed(ago))
+        .ok_or_else(|| ApiError::bad_request(format!("{name} {text:?} is too far back")))
+}
+
+/// Blank query parameters count as absent (a form's empty field).
+fn given(value: &Option<String>) -> Option<&str> {
+    value.as_deref().map(str::trim).filter(|v| !v.is_empty())
+}
+
+async fn parking_lot(state: &AdminState) -> Result<Option<ParkingLot>, ApiError> {
+    let Some((topology, _)) = &state.queues else {
+        return Ok(None);
+    };
+    let connect = ParkingLot::connect(&state.amqp_url, &topology.queue, &topology.parking_queue);
+    match tokio::time::timeout(BROKER_TIMEOUT, connect).await {
+        Ok(Ok(lot)) => Ok(Some(lot)),
+        Ok(Err(e)) => Err(ApiError::broker(format!("cannot reach RabbitMQ: {e}"))),
+        Err(_) => Err(ApiError::broker("RabbitMQ did not answer in time")),
+    }
+}
+
+fn actor(caller: &Caller, reason: &str, ticket: Option<&str>) -> Result<Actor, ApiError> {
+    if reason.trim().is_empty() {
+        return Err(ApiError::bad_request(
+            "a reason is required: it is written to the audit trail",
+        ));
+    }
+    Ok(Actor::new(&caller.name, reason)?.with_ticket(ticket.unwrap_or_default()))
+}
+
+/// Query of `GET /api/v1/status`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct StatusParams {
+    /// One consumer, or all.
+    consumer: Option<String>,
+    /// A PROCESSING row whose attempt started longer ago than this is stale (default 5m).
+    stale_after: Option<String>,
+    /// Count every PROCESSED row (a scan of the table).
+    #[serde(default)]
+    count_processed: bool,
+}
+
+/// Counts and ages per consumer and status, stale PROCESSING rows, the last hour's failures
+/// and duplicates, and (when the server knows the consumer's queue) the broker's depths.
+#[utoipa::path(get, path = "/api/v1/status", tag = "inspection", params(StatusParams),
+    security(("bearer" = [])),
+    responses((status = 200, description = "StatusReport", body = serde_json::Value),
+        (status = 401, description = "no or unknown token")))]
+pub(crate) async fn status(
+    State(state): State<Arc<AdminState>>,
+    Query(p): Query<StatusParams>,
+) -> Result<Json<StatusReport>, ApiError> {
+    let mut query = StatusQuery {
+        consumer: given(&p.consumer).map(str::to_owned),
+        count_processed: p.count_processed,
+        ..StatusQuery::default()
+    };
+    if let Some(s) = given(&p.stale_after) {
+        query.stale_after = duration("stale_after", s)?;
+    }
+    let lot = parking_lot(&state).await?;
+    let report = state.ops.status(&query, lot.as_ref()).await;
+    if let Some(lot) = lot {
+        lot.close().await;
+    }
+    Ok(Json(report?))
+}
+
+/// Query of `GET /api/v1/messages`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct ListParams {
+    /// Consumer.
+    consumer: Option<String>,
+    /// Statuses, comma-separated (default: every status but PROCESSED).
+    status: Option<String>,
+    /// Message type.
+    #[serde(rename = "type")]
+    #[param(rename = "type")]
+    message_type: Option<String>,
+    /// Last error code.
+    error_code: Option<String>,
+    /// Aggregate type.
+    aggregate_type: Option<String>,
+    /// Aggregate id.
+    aggregate_id: Option<String>,
+    /// Tenant.
+    tenant: Option<String>,
+    /// First received at or after (RFC 3339, or a duration ago such as `2h`).
+    since: Option<String>,
+    /// First received before (RFC 3339, or a duration ago).
+    until: Option<String>,
+    /// `next_cursor` of the previous page.
+    cursor: Option<String>,
+    /// Rows per page, 1 to 1000 (default 50).
+    limit: Option<u32>,
+}
+
+/// Inbox rows by filter, oldest first, a page at a time (keyset cursor).
+#[utoipa::path(get, path = "/api/v1/messages", tag = "inspection", params(ListParams),
+    security(("bearer" = [])),
+    responses((status = 200, description = "ListPage", body = serde_json::Value),
+        (status = 400, description = "bad filter or cursor")))]
+pub(crate) async fn list(
+    State(state): State<Arc<AdminState>>,
+    Query(p): Query<ListParams>,
+) -> Result<Json<ListPage>, ApiError> {
+    let statuses = given(&p.status)
+        .map(|s| {
+            s.split(',')
+                .map(|one| {
+                    one.trim()
+                        .to_ascii_uppercase()
+                        .parse::<InboxStatus>()
+                        .map_err(|_| ApiError::bad_request(format!("unknown status {one:?}")))
+                })
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .transpose()?
+        .unwrap_or_default();
+    let owned = |v: &Option<String>| given(v).map(str::to_owned);
+    let filter = ListFilter {
+        consumer: owned(&p.consumer),
+        statuses,
+        message_type: owned(&p.message_type),
+        error_code: owned(&p.error_code),
+        aggregate_type: owned(&p.aggregate_type),
+        aggregate_id: owned(&p.aggregate_id),
+        tenant: owned(&p.tenant),
+        since: given(&p.since).map(|s| instant("since", s)).transpose()?,
+        until: given(&p.until).map(|s| instant("until", s)).transpose()?,
+        cursor: owned(&p.cursor),
+        limit: p.limit.unwrap_or(ListFilter::default().limit),
+    };
+    Ok(Json(state.ops.list(&filter).await?))
+}
+
+/// One message of one consumer: its row, payload (if kept), tombstones, audit trail and where
+/// it is on the broker. 404 when the inbox has no trace of it.
+#[utoipa::path(get, path = "/api/v1/messages/{consumer}/{message_id}", tag = "inspection",
+    params(("consumer" = String, Path, description = "Consumer name"),
+        ("message_id" = String, Path, description = "The inbox key (percent-encoded)")),
+    security(("bearer" = [])),
+    responses((status = 200, description = "ShowReport", body = serde_json::Value),
+        (status = 404, description = "no row or tombstone")))]
+pub(crate) async fn show(
+    State(state): State<Arc<AdminState>>,
+    Path((consumer, message_id)): Path<(String, String)>,
+) -> Result<Json<ShowReport>, ApiError> {
+    let report = state
+        .ops
+        .show(&ShowQuery {
+            message_id: message_id.clone(),
+            consumer: Some(consumer.clone()),
+            topology: state.queues.clone(),
+        })
+        .await?;
+    if report.rows.is_empty() && report.tombstones.is_empty() {
+        return Err(ApiError::not_found(format!(
+            "no inbox row or tombstone for {message_id:?} of consumer {consumer:?}"
+        )));
+    }
+    Ok(Json(report))
+}
+
+/// Query of `GET /api/v1/failures`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct FailureParams {
+    /// One consumer, or all.
+    consumer: Option<String>,
+}
+
+/// Failed rows (retrying, parked, poisoned, in manual review) grouped by consumer, status,
+/// message type and error code, largest group first, with a sample of each.
+#[utoipa::path(get, path = "/api/v1/failures", tag = "inspection", params(FailureParams),
+    security(("bearer" = [])),
+    responses((status = 200, description = "FailureGroup list", body = serde_json::Value)))]
+pub(crate) async fn failures(
+    State(state): State<Arc<AdminState>>,
+    Query(p): Query<FailureParams>,
+) -> Result<Json<Vec<FailureGroup>>, ApiError> {
+    Ok(Json(state.ops.failure_groups(given(&p.consumer)).await?))
+}
+
+/// Body of `POST /api/v1/recover`.
+#[derive(Debug, Deserialize, ToSchema)]
+pub(crate) struct RecoverBody {
+    /// Consumer whose rows to recover.
+    consumer: String,
+    /// Why (written to the audit trail).
+    reason: String,
+    /// Ticket to cite beside the reason.
+    ticket: Option<String>,
+    /// Find and classify only; change nothing.
+    #[serde(default)]
+    dry_run: bool,
+    /// `retry` (republish; default) or `manual-review`.
+    policy: Option<String>,
+    /// Most rows per run (default 1000).
+    limit: Option<usize>,
+    /// Added to a retry tier's delay before a retry counts as lost (default 1m).
+    grace: Option<String>,
+}
+
+/// Recovers messages whose path was lost (expired leases, retries that never came back):
+/// republished from the stored payload or moved to MANUAL_REVIEW, each audited with the
+/// token's name and the reason.
+#[utoipa::path(post, path = "/api/v1/recover", tag = "actions", request_body = RecoverBody,
+    security(("bearer" = [])),
+    responses((status = 200, description = "RecoveryReport", body = serde_json::Value),
+        (status = 403, description = "not an admin token"),
+        (status = 409, description = "the server was started without --queue")))]
+pub(crate) async fn recover(
+    State(state): State<Arc<AdminState>>,
+    Extension(caller): Extension<Caller>,
+    Json(body): Json<RecoverBody>,
+) -> Result<Json<RecoveryReport>, ApiError> {
+    let actor = actor(&caller, &body.reason, body.ticket.as_deref())?;
+    let Some((topology, retry)) = &state.queues else {
+        return Err(ApiError::new(
+            axum::http::StatusCode::CONFLICT,
+            "recovery republishes to the work queue: start the server with --queue",
+        ));
+    };
+    let policy = match body.policy.as_deref() {
+        None | Some("retry") => RecoveryPolicy::Retry,
+        Some("manual-review") => RecoveryPolicy::ManualReview,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "unknown policy {other:?} (retry or manual-review)"
+            )));
+        }
+    };
+    let request = RecoverRequest {
+        consumer: body.consumer.clone(),
+        work_queue: topology.queue.clone(),
+        policy,
+        retry: retry.clone(),
+        grace: body
+            .grace
+            .as_deref()
+            .map(|g| duration("grace", g))
+            .transpose()?
+            .unwrap_or(Duration::from_secs(60)),
+        limit: body.limit.unwrap_or(1000),
+        dry_run: body.dry_run,
+    };
+    let broker = tokio::time::timeout(
+        BROKER_TIMEOUT,
+        Broker::connect(&state.amqp_url, "inbox-admin recover"),
+    )
+    .await
+    .map_err(|_| ApiError::broker("RabbitMQ did not answer in time"))?
+    .map_err(|e| ApiError::broker(format!("cannot reach RabbitMQ: {e}")))?;
+    let report = state
+        .ops
+        .recover(&broker, &actor, &request, &NoProgress)
+        .await;
+    broker.close().await;
+    Ok(Json(report?))
+}
+
+/// Body of `POST /api/v1/cleanup/dry-run`.
+#[derive(Debug, Deserialize, ToSchema)]
+pub(crate) struct CleanupBody {
+    /// Consumer whose rows retention would clean.
+    consumer: String,
+    /// Why the preview is asked for.
+    reason: String,
+    /// PROCESSED rows are removed this long after processing (default 30days).
+    processed_retention: Option<String>,
+    /// Parked rows are removed this long after their last failure (default: kept).
+    parked_retention: Option<String>,
+}
+
+/// What retention would scrub, remove and expire for one consumer; changes nothing. (Cleanup
+/// itself runs on the consumer's timer or with `inboxctl cleanup`.)
+#[utoipa::path(post, path = "/api/v1/cleanup/dry-run", tag = "actions",
+    request_body = CleanupBody, security(("bearer" = [])),
+    responses((status = 200, description = "CleanupReport", body = serde_json::Value),
+        (status = 409, description = "the dedup window is shorter than the redelivery horizon")))]
+pub(crate) async fn cleanup_dry_run(
+    State(state): State<Arc<AdminState>>,
+    Extension(caller): Extension<Caller>,
+    Json(body): Json<CleanupBody>,
+) -> Result<Json<CleanupReport>, ApiError> {
+    actor(&caller, &body.reason, None)?;
+    let mut retention = RetentionPolicy::default();
+    if let Some(p) = body.processed_retention.as_deref() {
+        retention.processed = duration("processed_retention", p)?;
+    }
+    retention.parked = body
+        .parked_retention
+        .as_deref()
+        .map(|p| duration("parked_retention", p))
+        .transpose()?;
+    let retry = state
+        .queues
+        .as_ref()
+        .map(|(_, r)| r.clone())
+        .unwrap_or_default();
+    let mut request = CleanupRequest::new(body.consumer, retention, retry);
+    request.dry_run = true;
+    Ok(Json(state.ops.cleanup(&request, &NoProgress).await?))
+}
+
+/// Body of `POST /api/v1/redrive`.
+#[derive(Debug, Deserialize, ToSchema)]
+pub(crate) struct RedriveBody {
+    /// Why (written to the audit trail).
+    reason: String,
+    /// Ticket to cite beside the reason.
+    ticket: Option<String>,
+    /// Classify and count only; nothing moves.
+    #[serde(default)]
+    dry_run: bool,
+    /// Only copies parked by this consumer.
+    consumer: Option<String>,
+    /// Only this message type.
+    #[serde(rename = "type")]
+    #[schema(rename = "type")]
+    message_type: Option<String>,
+    /// Only this error code.
+    error_code: Option<String>,
+    /// Only copies parked at or after (RFC 3339, or a duration ago such as `2h`).
+    since: Option<String>,
+    /// Only copies parked before.
+    until: Option<String>,
+    /// At most this many moves per second.
+    rate_per_sec: Option<f64>,
+    /// At most this many copies moved.
+    limit: Option<u64>,
+    /// Also replay copies whose row retention removed, and copies the inbox does not know
+    /// (audited as forced).
+    #[serde(default)]
+    force: bool,
+    /// Remove copies whose row is PROCESSED instead of leaving them.
+    #[serde(default)]
+    drop_processed: bool,
+}
+
+/// Moves parked messages back to the work queue after a fix, each classified against its
+/// inbox row first; with `dry_run` only counts what would happen. Every move is audited with
+/// the token's name and the reason.
+#[utoipa::path(post, path = "/api/v1/redrive", tag = "actions", request_body = RedriveBody,
+    security(("bearer" = [])),
+    responses((status = 200, description = "RedriveReport", body = serde_json::Value),
+        (status = 403, description = "not an admin token"),
+        (status = 409, description = "the server was started without --queue")))]
+pub(crate) async fn redrive(
+    State(state): State<Arc<AdminState>>,
+    Extension(caller): Extension<Caller>,
+    Json(body): Json<RedriveBody>,
+) -> Result<Json<RedriveReport>, ApiError> {
+    let actor = actor(&caller, &body.reason, body.ticket.as_deref())?;
+    let request = RedriveRequest {
+        dry_run: body.dry_run,
+        consumer: given(&body.consumer).map(str::to_owned),
+        message_type: given(&body.message_type).map(str::to_owned),
+        error_code: given(&body.error_code).map(str::to_owned),
+        since: given(&body.since)
+            .map(|s| instant("since", s))
+            .transpose()?,
+        until: given(&body.until)
+            .map(|s| instant("until", s))
+            .transpose()?,
+        rate_per_sec: body.rate_per_sec,
+        limit: body.limit,
+        force: body.force,
+        drop_processed: body.drop_processed,
+    };
+    let Some(lot) = parking_lot(&state).await? else {
+        return Err(ApiError::new(
+            axum::http::StatusCode::CONFLICT,
+            "redrive reads the parking lot: start the server with --queue",
+        ));
+    };
+    let report = state
+        .ops
+        .redrive(&lot, &request, Some(&actor), &NoProgress)
+        .await;
+    lot.close().await;
+    Ok(Json(report?))
+}
+
+/// Body of `POST /api/v1/messages/{consumer}/{message_id}/reopen`.
+#[derive(Debug, Deserialize, ToSchema)]
+pub(crate) struct ReopenBody {
+    /// Why (written to the audit trail).
+    reason: String,
+    /// Ticket to cite beside the reason.
+    ticket: Option<String>,
+    /// Reopen a PROCESSED row too, so the next delivery applies the effect again (audited as
+    /// `forced_replay`).
+    #[serde(default)]
+    force_replay: bool,
+}
+
+/// Reopens one failed row (attempts reset) so its next delivery runs the handler again;
+/// `force_replay` also reopens a PROCESSED one. Audited with the token's name and reason.
+#[utoipa::path(post, path = "/api/v1/messages/{consumer}/{message_id}/reopen", tag = "actions",
+    params(("consumer" = String, Path, description = "Consumer name"),
+        ("message_id" = String, Path, description = "The inbox key (percent-encoded)")),
+    request_body = ReopenBody, security(("bearer" = [])),
+    responses((status = 200, description = "Reopened", body = serde_json::Value),
+        (status = 409, description = "refused (PROCESSED without force_replay, PROCESSING)")))]
+pub(crate) async fn reopen(
+    State(state): State<Arc<AdminState>>,
+    Extension(caller): Extension<Caller>,
+    Path((consumer, message_id)): Path<(String, String)>,
+    Json(body): Json<ReopenBody>,
+) -> Result<Json<Reopened>, ApiError> {
+    let actor = actor(&caller, &body.reason, body.ticket.as_deref())?;
+    Ok(Json(
+        state
+            .ops
+            .reopen(&message_id, &consumer, &actor, body.force_replay)
+            .await?,
+    ))
+}
+
+/// Query of `GET /api/v1/doctor`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct DoctorParams {
+    /// Check this consumer's rows; every consumer's when absent.
+    consumer: Option<String>,
+    /// The consumer's dedup window: PROCESSED rows are removed this long after processing
+    /// (default 30days).
+    processed_retention: Option<String>,
+    /// How long after parking a message may still be replayed (default 14days).
+    replay_window: Option<String>,
+    /// Which bodies the consumer keeps: `failed-only` (default), `always` or `never`.
+    payload_storage: Option<String>,
+    /// The consumer encrypts stored payloads.
+    #[serde(default)]
+    encrypted: bool,
+}
+
+/// The installation checked against the inbox review checklist: schema, the broker topology
+/// (through the management API; the server's `--queue`), retention, recovery, parking-lot
+/// reconciliation and payload privacy. One row per check with `pass`, `warn` or `fail`;
+/// changes nothing.
+#[utoipa::path(get, path = "/api/v1/doctor", tag = "inspection", params(DoctorParams),
+    security(("bearer" = [])),
+    responses((status = 200, description = "DoctorReport", body = serde_json::Value),
+        (status = 400, description = "bad parameter"),
+        (status = 401, description = "no or unknown token")))]
+pub(crate) async fn doctor(
+    State(state): State<Arc<AdminState>>,
+    Query(p): Query<DoctorParams>,
+) -> Result<Json<DoctorReport>, ApiError> {
+    let mut retention = RetentionPolicy::default();
+    if let Some(d) = given(&p.processed_retention) {
+        retention.processed = duration("processed_retention", d)?;
+    }
+    if let Some(d) = given(&p.replay_window) {
+        retention.parking_replay_window = duration("replay_window", d)?;
+    }
+    let payload_storage = match given(&p.payload_storage) {
+        None | Some("failed-only") => PayloadStorage::FailedOnly,
+        Some("always") => PayloadStorage::Always,
+        Some("never") => PayloadStorage::Never,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "unknown payload_storage {other:?} (failed-only, always or never)"
+            )));
+        }
+    };
+    let (topology, retry) = match &state.queues {
+        Some((t, r)) => (Some(t.clone()), r.clone()),
+        None => (None, rabbit_inbox::RetryPolicy::default()),
+    };
+    let request = DoctorRequest {
+        consumer: given(&p.consumer).map(str::to_owned),
+        amqp_url: Some(state.amqp_url.clone()),
+        topology,
+        retry,
+        retention: Some(retention),
+        payload_storage,
+        payload_encrypted: p.encrypted,
+        ..DoctorRequest::default()
+    };
+    Ok(Json(state.ops.doctor(&request).await))
+}

@@ -1,0 +1,392 @@
+//! The admin API against the real servers: refusals (no token, wrong token, wrong scope, no
+//! reason), reads, audited actions under the token's name, probes, metrics, and the OpenAPI
+//! document naming every route.
+
+#[allow(dead_code)]
+mod util;
+
+use std::collections::BTreeSet;
+
+use inbox_admin::Tokens;
+use reqwest::{Client, StatusCode};
+use serde_json::{Value, json};
+use util::{ADMIN_TOKEN, CONSUMER, Fixture, READ_TOKEN, REFUSED_CODE, REFUSED_TYPE};
+
+async fn get(http: &Client, url: &str, token: Option<&str>) -> (StatusCode, Value) {
+    let mut request = http.get(url);
+    if let Some(t) = token {
+        request = request.bearer_auth(t);
+    }
+    let response = request.send().await.expect("request");
+    let status = response.status();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+async fn post(http: &Client, url: &str, token: Option<&str>, body: Value) -> (StatusCode, Value) {
+    let mut request = http.post(url).json(&body);
+    if let Some(t) = token {
+        request = request.bearer_auth(t);
+    }
+    let response = request.send().await.expect("request");
+    let status = response.status();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_refuses_the_unauthorized_and_audits_the_authorized() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        metrics::counter!("inbox_admin_test_total").increment(3);
+    });
+    let fx = Fixture::new(Some(handle)).await;
+    let http = Client::new();
+    let b = &fx.base;
+    let status_url = format!("{b}/api/v1/status");
+
+    // Refused: no token, an unknown token (401 with a Bearer challenge), a read token on an
+    // action (403), an admin action without a reason (400).
+    let response = http.get(&status_url).send().await.expect("request");
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        response
+            .headers()
+            .get("www-authenticate")
+            .and_then(|v| v.to_str().ok()),
+        Some("Bearer")
+    );
+    let (code, _) = get(&http, &status_url, Some("not-a-configured-token")).await;
+    assert_eq!(code, StatusCode::UNAUTHORIZED);
+    let redrive = format!("{b}/api/v1/redrive");
+    let body = json!({ "dry_run": true, "reason": "check", "consumer": CONSUMER });
+    let (code, _) = post(&http, &redrive, None, body.clone()).await;
+    assert_eq!(code, StatusCode::UNAUTHORIZED);
+    let (code, err) = post(&http, &redrive, Some(READ_TOKEN), body.clone()).await;
+    assert_eq!(code, StatusCode::FORBIDDEN, "{err}");
+    assert!(err["error"].as_str().is_some_and(|e| e.contains("grafana")));
+    let reopen_1 = format!("{b}/api/v1/messages/{CONSUMER}/refund-1/reopen");
+    let (code, _) = post(&http, &reopen_1, Some(READ_TOKEN), json!({ "reason": "x" })).await;
+    assert_eq!(code, StatusCode::FORBIDDEN);
+    let (code, err) = post(
+        &http,
+        &reopen_1,
+        Some(ADMIN_TOKEN),
+        json!({ "reason": " " }),
+    )
+    .await;
+    assert_eq!(code, StatusCode::BAD_REQUEST, "{err}");
+    assert!(fx.audit().await.is_empty(), "nothing refused was audited");
+    assert_eq!(fx.depths().await.parking, 2, "nothing refused moved");
+
+    // Reads, with the read token (and the admin token, which may read too).
+    let (code, report) = get(&http, &status_url, Some(READ_TOKEN)).await;
+    assert_eq!(code, StatusCode::OK, "{report}");
+    let line = |status: &str| {
+        report["lines"]
+            .as_array()
+            .and_then(|l| {
+                l.iter()
+                    .find(|l| l["consumer"] == CONSUMER && l["status"] == status)
+            })
+            .cloned()
+            .unwrap_or_else(|| panic!("a {status} line in {report}"))
+    };
+    assert_eq!(line("PERMANENT_FAILED")["rows"], 2);
+    assert_eq!(line("PROCESSED")["processed_last_hour"], 3);
+    assert_eq!(report["broker"]["parking"]["messages"], 2);
+    let (code, _) = get(&http, &status_url, Some(ADMIN_TOKEN)).await;
+    assert_eq!(code, StatusCode::OK);
+
+    let (code, groups) = get(&http, &format!("{b}/api/v1/failures"), Some(READ_TOKEN)).await;
+    assert_eq!(code, StatusCode::OK);
+    assert_eq!(groups.as_array().map(Vec::len), Some(1), "{groups}");
+    assert_eq!(groups[0]["message_type"], REFUSED_TYPE);
+    assert_eq!(groups[0]["error_code"], REFUSED_CODE);
+    assert_eq!(groups[0]["rows"], 2);
+
+    // A page at a time: two pages of one, then none.
+    let list = format!("{b}/api/v1/messages?consumer={CONSUMER}&status=permanent_failed&limit=1");
+    let (code, first) = get(&http, &list, Some(READ_TOKEN)).await;
+    assert_eq!(code, StatusCode::OK, "{first}");
+    let cursor = first["next_cursor"].as_str().expect("a next page");
+    let (_, second) = get(&http, &format!("{list}&cursor={cursor}"), Some(READ_TOKEN)).await;
+    let ids: BTreeSet<_> = [&first, &second]
+        .iter()
+        .map(|p| p["rows"][0]["message_id"].as_str().unwrap_or("").to_owned())
+        .collect();
+    assert_eq!(ids, BTreeSet::from(["refund-1".into(), "refund-2".into()]));
+    let (code, err) = get(&http, &format!("{list}&status=NOPE"), Some(READ_TOKEN)).await;
+    assert_eq!(code, StatusCode::BAD_REQUEST, "{err}");
+
+    let show = format!("{b}/api/v1/messages/{CONSUMER}/refund-1");
+    let (code, detail) = get(&http, &show, Some(READ_TOKEN)).await;
+    assert_eq!(code, StatusCode::OK);
+    assert_eq!(detail["rows"][0]["status"], "PERMANENT_FAILED");
+    assert_eq!(detail["rows"][0]["location"]["place"], "parking_lot");
+    let (code, _) = get(
+        &http,
+        &format!("{b}/api/v1/messages/{CONSUMER}/nope"),
+        Some(READ_TOKEN),
+    )
+    .await;
+    assert_eq!(code, StatusCode::NOT_FOUND);
+
+    // A dry run changes nothing and audits nothing.
+    let (code, preview) = post(&http, &redrive, Some(ADMIN_TOKEN), body).await;
+    assert_eq!(code, StatusCode::OK, "{preview}");
+    assert_eq!(preview["dry_run"], true);
+    assert_eq!(preview["classes"]["reopen"], 2, "{preview}");
+    assert_eq!(preview["actions"]["would_move"], 2, "{preview}");
+    assert!(fx.audit().await.is_empty());
+    assert_eq!(fx.depths().await.parking, 2);
+
+    // Actions, audited under the token's name with the reason; the secret is nowhere.
+    let (code, reopened) = post(
+        &http,
+        &reopen_1,
+        Some(ADMIN_TOKEN),
+        json!({ "reason": "refunds supported since 2.4", "ticket": "INC-7" }),
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK, "{reopened}");
+    assert_eq!(reopened["previous_status"], "PERMANENT_FAILED");
+    let (code, moved) = post(
+        &http,
+        &redrive,
+        Some(ADMIN_TOKEN),
+        json!({ "reason": "refunds supported since 2.4", "consumer": CONSUMER,
+                "type": REFUSED_TYPE }),
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK, "{moved}");
+    assert_eq!(moved["actions"]["moved"], 2, "{moved}");
+    let depths = fx.depths().await;
+    assert_eq!((depths.parking, depths.work), (0, 2));
+    let audit = fx.audit().await;
+    assert!(audit.len() >= 3, "reopen + two moves: {audit:?}");
+    for (actor, action, _, reason) in &audit {
+        assert_eq!(actor, "alice", "{action}");
+        assert_eq!(reason, "refunds supported since 2.4");
+    }
+    assert!(
+        audit
+            .iter()
+            .any(|(_, action, id, _)| action == "reopen" && id.as_deref() == Some("refund-1"))
+    );
+    let dump: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT coalesce(string_agg(a::text, ' '), '') FROM \"{}\".inbox_audit a",
+        fx.schema.as_str()
+    )))
+    .fetch_one(&fx.pool)
+    .await
+    .expect("audit text");
+    assert!(!dump.contains(ADMIN_TOKEN), "the secret is not audited");
+    let (_, detail) = get(&http, &show, Some(READ_TOKEN)).await;
+    assert!(
+        detail["audit"].as_array().is_some_and(|a| a
+            .iter()
+            .any(|e| e["actor"] == "alice" && e["ticket"] == "INC-7")),
+        "{detail}"
+    );
+
+    // Recovery and the cleanup preview run too (nothing is lost, nothing expired).
+    let (code, recovered) = post(
+        &http,
+        &format!("{b}/api/v1/recover"),
+        Some(ADMIN_TOKEN),
+        json!({ "consumer": CONSUMER, "reason": "check", "dry_run": true }),
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK, "{recovered}");
+    assert_eq!(recovered["dry_run"], true);
+    let (code, cleanup) = post(
+        &http,
+        &format!("{b}/api/v1/cleanup/dry-run"),
+        Some(ADMIN_TOKEN),
+        json!({ "consumer": CONSUMER, "reason": "check" }),
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK, "{cleanup}");
+    assert_eq!(
+        (
+            cleanup["dry_run"].clone(),
+            cleanup["removed_processed"].clone()
+        ),
+        (json!(true), json!(0))
+    );
+
+    // Probes need no token; metrics need a read token.
+    let (code, _) = get(&http, &format!("{b}/healthz"), None).await;
+    assert_eq!(code, StatusCode::OK);
+    let (code, ready) = get(&http, &format!("{b}/readyz"), None).await;
+    assert_eq!(code, StatusCode::OK, "{ready}");
+    assert_eq!(ready["database"]["ok"], true);
+    assert_eq!(ready["broker"]["ok"], true);
+    let (code, _) = get(&http, &format!("{b}/metrics"), None).await;
+    assert_eq!(code, StatusCode::UNAUTHORIZED);
+    let text = http
+        .get(format!("{b}/metrics"))
+        .bearer_auth(READ_TOKEN)
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(text.contains("inbox_admin_test_total 3"), "{text}");
+
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_fails_when_the_broker_is_unreachable_and_open_servers_stay_local() {
+    let fx = Fixture::new(None).await;
+    let http = Client::new();
+    // Without tokens: only loopback, reads open, actions refused.
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0")
+        .await
+        .expect("port");
+    let state = inbox_admin::AdminState {
+        ops: rabbit_inbox::ops::Operations::new(fx.pool.clone(), fx.schema.clone()),
+        amqp_url: "amqp://guest:guest@127.0.0.1:1/%2f".into(),
+        queues: None,
+        tokens: Tokens::none(),
+        metrics: None,
+    };
+    let e = inbox_admin::serve(listener, state, std::future::ready(()))
+        .await
+        .expect_err("a non-loopback address without tokens is refused");
+    assert!(e.to_string().contains("without tokens"), "{e}");
+
+    let (open, server) = fx.serve(Tokens::none(), None, "127.0.0.1:0").await;
+    let (code, _) = get(&http, &format!("{open}/api/v1/status"), None).await;
+    assert_eq!(code, StatusCode::OK);
+    let (code, err) = post(
+        &http,
+        &format!("{open}/api/v1/redrive"),
+        None,
+        json!({ "reason": "x", "dry_run": true }),
+    )
+    .await;
+    assert_eq!(code, StatusCode::FORBIDDEN, "{err}");
+    server.abort();
+
+    // A broker nobody listens for: not ready, and says which check failed.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("port");
+    let addr = listener.local_addr().expect("addr");
+    let state = inbox_admin::AdminState {
+        ops: rabbit_inbox::ops::Operations::new(fx.pool.clone(), fx.schema.clone()),
+        amqp_url: "amqp://guest:guest@127.0.0.1:1/%2f".into(),
+        queues: None,
+        tokens: Tokens::none(),
+        metrics: None,
+    };
+    let server = tokio::spawn(inbox_admin::serve(listener, state, std::future::pending()));
+    let (code, ready) = get(&http, &format!("http://{addr}/readyz"), None).await;
+    assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE, "{ready}");
+    assert_eq!(ready["database"]["ok"], true);
+    assert_eq!(ready["broker"]["ok"], false);
+    assert!(ready["broker"]["error"].is_string());
+    server.abort();
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_document_describes_every_route() {
+    let fx = Fixture::new(None).await;
+    let http = Client::new();
+    let b = &fx.base;
+    let (code, doc) = get(&http, &format!("{b}/api/v1/openapi.json"), None).await;
+    assert_eq!(code, StatusCode::OK);
+    let mut documented = BTreeSet::new();
+    for (path, item) in doc["paths"].as_object().expect("paths") {
+        for method in ["get", "post", "put", "delete", "patch"] {
+            if item.get(method).is_some() {
+                documented.insert(format!("{} {path}", method.to_uppercase()));
+            }
+        }
+    }
+    let expected: BTreeSet<String> = [
+        "GET /healthz",
+        "GET /readyz",
+        "GET /metrics",
+        "GET /api/v1/status",
+        "GET /api/v1/messages",
+        "GET /api/v1/messages/{consumer}/{message_id}",
+        "GET /api/v1/failures",
+        "GET /api/v1/doctor",
+        "POST /api/v1/recover",
+        "POST /api/v1/redrive",
+        "POST /api/v1/messages/{consumer}/{message_id}/reopen",
+        "POST /api/v1/cleanup/dry-run",
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .collect();
+    assert_eq!(documented, expected);
+    assert!(doc["components"]["securitySchemes"]["bearer"].is_object());
+    // Each documented route is served: never 404 or 405 (an empty action body is 4xx for
+    // its missing fields, not for a missing route).
+    for route in &documented {
+        let (method, path) = route.split_once(' ').expect("method and path");
+        let url = format!(
+            "{b}{}",
+            path.replace("{consumer}", CONSUMER)
+                .replace("{message_id}", "refund-1")
+        );
+        let code = if method == "GET" {
+            get(&http, &url, Some(ADMIN_TOKEN)).await.0
+        } else {
+            post(&http, &url, Some(ADMIN_TOKEN), json!({})).await.0
+        };
+        assert!(
+            code != StatusCode::NOT_FOUND && code != StatusCode::METHOD_NOT_ALLOWED,
+            "{route}: {code}"
+        );
+    }
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_checks_the_served_inbox_with_a_read_token() {
+    let fx = Fixture::new(None).await;
+    let http = Client::new();
+    let url = format!("{}/api/v1/doctor?consumer={CONSUMER}", fx.base);
+    let (code, _) = get(&http, &url, None).await;
+    assert_eq!(code, StatusCode::UNAUTHORIZED);
+
+    let (code, report) = get(&http, &url, Some(READ_TOKEN)).await;
+    assert_eq!(code, StatusCode::OK, "{report:#}");
+    let severity = |id: &str| {
+        report["checks"]
+            .as_array()
+            .and_then(|checks| checks.iter().find(|c| c["id"] == id))
+            .map(|c| c["severity"].clone())
+            .unwrap_or_else(|| panic!("no check {id}: {report:#}"))
+    };
+    assert_eq!(report["worst"], "pass", "{report:#}");
+    assert_eq!(severity("broker.work_queue"), "pass");
+    assert_eq!(severity("reconciliation.row_without_copy"), "pass");
+    // The two parked refunds were read and put back.
+    assert_eq!(fx.depths().await.parking, 2);
+
+    // A dedup window shorter than the replay window is a failure.
+    let (code, report) = get(
+        &http,
+        &format!("{url}&processed_retention=1day"),
+        Some(READ_TOKEN),
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK);
+    assert_eq!(report["worst"], "fail", "{report:#}");
+    let (code, _) = get(
+        &http,
+        &format!("{url}&payload_storage=some"),
+        Some(READ_TOKEN),
+    )
+    .await;
+    assert_eq!(code, StatusCode::BAD_REQUEST);
+    fx.cleanup().await;
+}

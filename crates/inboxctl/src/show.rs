@@ -1,0 +1,124 @@
+//! `inboxctl show <message-id>`: one message's rows (every consumer), payload, tombstones,
+//! audit trail and where it is on the broker.
+
+use std::process::ExitCode;
+
+use clap::Args;
+use rabbit_inbox::ops::{Operations, Payload, ShowQuery, ShowReport};
+
+use crate::{
+    Servers, connect,
+    report::{InboxArgs, QueueArgs, table},
+    when,
+};
+
+#[derive(Args)]
+pub(crate) struct ShowArgs {
+    /// The message's inbox key (its message id, or an `invalid:` key).
+    message_id: String,
+    #[command(flatten)]
+    inbox: InboxArgs,
+    #[command(flatten)]
+    queues: QueueArgs,
+}
+
+pub(crate) async fn run(servers: &Servers, args: ShowArgs) -> anyhow::Result<ExitCode> {
+    let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
+    let ops = Operations::new(pool, args.inbox.schema()?);
+    let report = ops
+        .show(&ShowQuery {
+            message_id: args.message_id.clone(),
+            consumer: args.inbox.consumer.clone(),
+            topology: args.queues.topology(),
+        })
+        .await?;
+    let unknown = report.rows.is_empty() && report.tombstones.is_empty();
+    if !unknown || args.inbox.json {
+        args.inbox.print(&report, render)?;
+    }
+    if unknown {
+        eprintln!("no inbox row or tombstone for {:?}", args.message_id);
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn render(r: &ShowReport) -> comfy_table::Table {
+    let mut t = table(["field", "value"]);
+    for row in &r.rows {
+        let location = match &row.location.queue {
+            Some(q) => format!("{} ({q})", row.location.place),
+            None => row.location.place.to_owned(),
+        };
+        let payload = match &row.payload {
+            None => "(not kept)".to_owned(),
+            Some(Payload::Utf8(text)) => text.clone(),
+            Some(Payload::Base64(b)) => format!("base64:{b}"),
+        };
+        let opt = |v: &Option<String>| v.clone().unwrap_or_default();
+        for (k, v) in [
+            ("consumer", row.consumer_name.clone()),
+            ("message id", row.message_id.clone()),
+            (
+                "type",
+                format!("{} v{}", row.message_type, row.message_version),
+            ),
+            ("status", row.status.to_string()),
+            ("broker", location),
+            ("attempts", row.processing_attempt.to_string()),
+            ("deliveries", row.delivery_count.to_string()),
+            ("first received", when::cell(Some(row.first_received_at))),
+            ("last received", when::cell(Some(row.last_received_at))),
+            ("processed", when::cell(row.processed_at)),
+            ("first failed", when::cell(row.first_failed_at)),
+            ("last failed", when::cell(row.last_failed_at)),
+            ("error code", opt(&row.last_error_code)),
+            ("error", opt(&row.last_error_message)),
+            ("payload sha256", row.payload_sha256.clone()),
+            ("payload conflicts", row.payload_conflicts.to_string()),
+            (
+                "aggregate",
+                format!("{} {}", opt(&row.aggregate_type), opt(&row.aggregate_id)),
+            ),
+            ("tenant", opt(&row.tenant_id)),
+            ("correlation id", opt(&row.correlation_id)),
+            ("trace id", opt(&row.trace_id)),
+            ("headers", row.headers.to_string()),
+            ("payload", payload),
+        ] {
+            t.add_row(vec![k.to_owned(), v]);
+        }
+    }
+    for ts in &r.tombstones {
+        t.add_row(vec![
+            "tombstone".to_owned(),
+            format!(
+                "{} {} ({}), removed {}, sha256 {}",
+                ts.consumer_name,
+                ts.final_status,
+                ts.message_type,
+                when::cell(Some(ts.removed_at)),
+                ts.payload_sha256
+            ),
+        ]);
+    }
+    for a in &r.audit {
+        t.add_row(vec![
+            format!("audit #{}", a.audit_id),
+            format!(
+                "{} {} by {} ({}{}): {} {}",
+                when::cell(Some(a.occurred_at)),
+                a.action,
+                a.actor,
+                a.reason,
+                a.ticket
+                    .as_deref()
+                    .map(|t| format!(", {t}"))
+                    .unwrap_or_default(),
+                a.consumer_name.as_deref().unwrap_or(""),
+                a.details
+            ),
+        ]);
+    }
+    t
+}

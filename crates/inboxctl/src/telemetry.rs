@@ -1,0 +1,120 @@
+//! `consume`'s observability: the Prometheus exporter over the library's metrics catalog and,
+//! when an OTLP endpoint is given, the export of the delivery spans.
+
+use std::{net::SocketAddr, time::Duration};
+
+use anyhow::Context;
+use clap::Args;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use rabbit_inbox::{ConsumerConfig, telemetry::metrics as m};
+
+/// Metrics and trace export of `inboxctl consume`.
+#[derive(Args, Clone, Debug, Default)]
+pub(crate) struct ObserveArgs {
+    /// Serve the metrics catalog in the Prometheus text format at http://ADDR/metrics
+    /// (e.g. 127.0.0.1:9464). Also samples the inbox gauges every --sample-interval-secs.
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) metrics_addr: Option<SocketAddr>,
+    /// Seconds between samples of the inbox gauges (oldest unprocessed age, open and parked
+    /// rows, dedup-window headroom); one query over the index of open rows per sample.
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) sample_interval_secs: u64,
+    /// The longest time after which a message may be delivered again (DLQ replays, outbox
+    /// republishes), in seconds; the dedup-window headroom gauge is measured against it.
+    #[arg(long, value_name = "SECS")]
+    pub(crate) replay_window_secs: Option<u64>,
+    /// Message types with their own `message_type` label (comma-separated); other types are
+    /// labelled by name up to the library's limit, then `other`.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) known_message_types: Vec<String>,
+    /// Export a span per delivery, child of the producer's `traceparent`, over OTLP/HTTP
+    /// (protobuf) to this collector URL (e.g. http://127.0.0.1:4318/v1/traces).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", value_name = "URL")]
+    pub(crate) otlp_endpoint: Option<String>,
+}
+
+impl ObserveArgs {
+    /// Applies the labels and the sampling to the consumer's configuration.
+    pub(crate) fn configure(&self, config: &mut ConsumerConfig) {
+        if self.metrics_addr.is_some() {
+            config.telemetry.sample_interval = Some(Duration::from_secs(self.sample_interval_secs));
+        }
+        config.telemetry.replay_window = self.replay_window_secs.map(Duration::from_secs);
+        config
+            .telemetry
+            .known_message_types
+            .extend(self.known_message_types.iter().cloned());
+    }
+
+    /// Installs the Prometheus exporter, if asked for. Call inside the runtime.
+    pub(crate) fn install_metrics(&self) -> anyhow::Result<()> {
+        let Some(addr) = self.metrics_addr else {
+            return Ok(());
+        };
+        prometheus(addr)?
+            .install()
+            .with_context(|| format!("serving metrics at {addr}"))
+    }
+}
+
+/// The exporter with histogram buckets fitting the catalog: latencies from a millisecond to
+/// minutes, attempts as small integers.
+fn prometheus(addr: SocketAddr) -> anyhow::Result<PrometheusBuilder> {
+    const SECONDS: [f64; 14] = [
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0,
+    ];
+    const ATTEMPTS: [f64; 8] = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0];
+    Ok(PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS)?
+        .set_buckets_for_metric(Matcher::Full(m::ATTEMPTS.into()), &ATTEMPTS)?)
+}
+
+/// Exports spans over OTLP until dropped (then flushes).
+pub(crate) struct SpanExport {
+    provider: SdkTracerProvider,
+}
+
+impl SpanExport {
+    /// The layer that sends the library's delivery spans to `endpoint`, and its guard.
+    pub(crate) fn start<S>(
+        endpoint: &str,
+    ) -> anyhow::Result<(impl tracing_subscriber::Layer<S> + use<S>, SpanExport)>
+    where
+        S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    {
+        use tracing_subscriber::Layer as _;
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_endpoint(endpoint)
+            .build()
+            .with_context(|| format!("OTLP exporter for {endpoint}"))?;
+        let provider = SdkTracerProvider::builder()
+            .with_batch_exporter(exporter)
+            .with_resource(
+                opentelemetry_sdk::Resource::builder()
+                    .with_service_name("inboxctl")
+                    .build(),
+            )
+            .build();
+        let layer = tracing_opentelemetry::layer()
+            .with_tracer(provider.tracer("rabbit-inbox"))
+            // The delivery spans whatever RUST_LOG says for the terminal.
+            .with_filter(
+                tracing_subscriber::filter::Targets::new()
+                    .with_target("rabbit_inbox::delivery", tracing::Level::INFO),
+            );
+        Ok((layer, SpanExport { provider }))
+    }
+}
+
+impl Drop for SpanExport {
+    fn drop(&mut self) {
+        if let Err(e) = self.provider.shutdown() {
+            eprintln!("flushing spans: {e}");
+        }
+    }
+}

@@ -1,0 +1,229 @@
+//! `inboxctl cleanup` and `inboxctl grants` as an operator runs them, on an inbox of a small
+//! service of its own (not the example): a dry run changes nothing and says what would go, an
+//! unsafe window exits non-zero and says what to set, a forced run is audited, `grants` prints
+//! SQL that PostgreSQL accepts.
+
+use std::{
+    hash::{BuildHasher, RandomState},
+    process::Output,
+    time::SystemTime,
+};
+
+use sqlx::{AssertSqlSafe, PgPool};
+use tokio::process::Command;
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// Drops the schema when dropped, also when the test panics.
+struct DropSchema(String);
+
+impl Drop for DropSchema {
+    fn drop(&mut self) {
+        let schema = self.0.clone();
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("cleanup runtime");
+            runtime.block_on(async {
+                if let Ok(pool) = PgPool::connect(&database_url()).await {
+                    let _ = sqlx::raw_sql(AssertSqlSafe(format!(
+                        "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE; \
+                         DROP ROLE IF EXISTS \"{schema}_ro\""
+                    )))
+                    .execute(&pool)
+                    .await;
+                    pool.close().await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+async fn inboxctl(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+        .args(args)
+        .env("DATABASE_URL", database_url())
+        .output()
+        .await
+        .expect("inboxctl runs")
+}
+
+async fn count(pool: &PgPool, sql: String) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(sql))
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+#[tokio::test]
+async fn cleanup_and_grants_from_the_command_line() {
+    let h = RandomState::new().hash_one((SystemTime::now(), std::process::id()));
+    let schema = format!("t_cli_{h:016x}");
+    let _drop = DropSchema(schema.clone());
+    let pool = PgPool::connect(&database_url()).await.expect("PostgreSQL");
+    let name = rabbit_inbox::SchemaName::new(&schema).expect("valid");
+    rabbit_inbox::migrate(&pool, &name).await.expect("migrated");
+    // A small "billing" service's ledger: 40 rows past 30 days, 10 of today.
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".message_inbox (message_id, consumer_name, message_type, \
+           message_version, status, processing_attempt, first_received_at, processed_at, \
+           payload_sha256) \
+         SELECT 'inv-' || g, 'billing', 'InvoiceIssued', 1, 'PROCESSED', 1, \
+           now() - make_interval(days => CASE WHEN g <= 40 THEN 45 ELSE 0 END), \
+           now() - make_interval(days => CASE WHEN g <= 40 THEN 45 ELSE 0 END), \
+           sha256(g::text::bytea) FROM generate_series(1, 50) AS g"
+    )))
+    .execute(&pool)
+    .await
+    .expect("seeded");
+    let rows = || {
+        count(
+            &pool,
+            format!("SELECT count(*) FROM \"{schema}\".message_inbox"),
+        )
+    };
+
+    let dry = inboxctl(&[
+        "cleanup",
+        "--schema",
+        &schema,
+        "--consumer",
+        "billing",
+        "--dry-run",
+        "--json",
+    ])
+    .await;
+    assert!(
+        dry.status.success(),
+        "{}",
+        String::from_utf8_lossy(&dry.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&dry.stdout).expect("JSON");
+    assert_eq!(report["removed_processed"], 40);
+    assert_eq!(report["dry_run"], true);
+    assert_eq!(rows().await, 50, "a dry run changes nothing");
+
+    let refused = inboxctl(&[
+        "cleanup",
+        "--schema",
+        &schema,
+        "--consumer",
+        "billing",
+        "--processed-retention",
+        "1day",
+        "--tombstone-retention",
+        "2days",
+        "--no-scrub",
+    ])
+    .await;
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("unsafe retention window") && stderr.contains("at least 14days"),
+        "{stderr}"
+    );
+    assert_eq!(rows().await, 50);
+
+    let forced = inboxctl(&[
+        "cleanup",
+        "--schema",
+        &schema,
+        "--consumer",
+        "billing",
+        "--processed-retention",
+        "1day",
+        "--tombstone-retention",
+        "2days",
+        "--no-scrub",
+        "--force",
+        "--actor",
+        "bob",
+        "--reason",
+        "replays of billing are disabled",
+    ])
+    .await;
+    assert!(
+        forced.status.success(),
+        "{}",
+        String::from_utf8_lossy(&forced.stderr)
+    );
+    let table = String::from_utf8_lossy(&forced.stdout);
+    assert!(
+        table.contains("PROCESSED rows deleted") && table.contains("FORCED"),
+        "{table}"
+    );
+    assert_eq!(rows().await, 10, "the recent rows are younger than 1 day");
+    assert_eq!(
+        count(
+            &pool,
+            format!(
+                "SELECT count(*) FROM \"{schema}\".inbox_audit WHERE action = 'cleanup_forced' \
+                 AND actor = 'bob'"
+            )
+        )
+        .await,
+        1
+    );
+
+    // The printed grants are valid SQL for an existing role.
+    sqlx::raw_sql(AssertSqlSafe(format!("CREATE ROLE \"{schema}_ro\"")))
+        .execute(&pool)
+        .await
+        .expect("role");
+    let grants = inboxctl(&[
+        "grants",
+        "--schema",
+        &schema,
+        "--role",
+        "operator",
+        "--grantee",
+        &format!("{schema}_ro"),
+    ])
+    .await;
+    assert!(grants.status.success());
+    let sql = String::from_utf8(grants.stdout).expect("text");
+    sqlx::raw_sql(AssertSqlSafe(sql))
+        .execute(&pool)
+        .await
+        .expect("grants apply");
+    assert_eq!(
+        count(
+            &pool,
+            format!(
+                "SELECT count(*) FROM information_schema.role_table_grants \
+                 WHERE grantee = '{schema}_ro' AND privilege_type = 'SELECT'"
+            )
+        )
+        .await,
+        count(
+            &pool,
+            format!(
+                "SELECT count(*) FROM information_schema.tables WHERE table_schema = '{schema}'"
+            )
+        )
+        .await,
+        "SELECT on every table of the schema"
+    );
+    let bad = inboxctl(&[
+        "grants",
+        "--schema",
+        &schema,
+        "--role",
+        "root",
+        "--grantee",
+        "x",
+    ])
+    .await;
+    assert!(!bad.status.success());
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP OWNED BY \"{schema}_ro\"; DROP ROLE \"{schema}_ro\""
+    )))
+    .execute(&pool)
+    .await
+    .expect("role dropped");
+}

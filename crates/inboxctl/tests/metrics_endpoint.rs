@@ -1,0 +1,189 @@
+//! `inboxctl consume --metrics-addr` serves the metrics catalog in the Prometheus text format:
+//! scraped while it consumes the example stream, the counters, histograms and sampled gauges
+//! are there and move.
+
+use std::{
+    hash::{BuildHasher, RandomState},
+    process::Stdio,
+    time::{Duration, SystemTime},
+};
+
+use rabbit_inbox::{Broker, SchemaName};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+    process::Command,
+};
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// Removes the schema and the queues when dropped, also when the test panics.
+struct Cleanup {
+    config: rabbit_inbox::ConsumerConfig,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let config = self.config.clone();
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("cleanup runtime");
+            runtime.block_on(async {
+                if let Ok(pool) = sqlx::PgPool::connect(&database_url()).await {
+                    let _ = rabbit_inbox::drop_schema(&pool, &config.schema).await;
+                    pool.close().await;
+                }
+                if let Ok(broker) = Broker::connect(&amqp_url(), "inboxctl test cleanup").await {
+                    let _ = broker.delete(&config.topology, &config.retry).await;
+                    broker.close().await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// One scrape of `/metrics` (HTTP/1.0, so the server closes after the body).
+async fn scrape(addr: &str) -> Option<String> {
+    let mut stream = TcpStream::connect(addr).await.ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+}
+
+/// The value of the first sample whose line starts with `series`.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consume_serves_the_catalog_to_prometheus() {
+    let h = RandomState::new().hash_one((SystemTime::now(), std::process::id()));
+    let schema = format!("t_metrics_{h:016x}");
+    let queue = format!("t-{h:016x}-metrics");
+    let exchange = format!("t-{h:016x}-metrics-x");
+    let config = order_service::config(
+        SchemaName::new(&schema).expect("schema name"),
+        &queue,
+        &exchange,
+    );
+    let _cleanup = Cleanup {
+        config: config.clone(),
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let service = [
+        "--schema",
+        &schema,
+        "--queue",
+        &queue,
+        "--exchange",
+        &exchange,
+    ];
+
+    let mut consumer = Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+        .arg("consume")
+        .args(service)
+        .args(["--metrics-addr", &addr, "--sample-interval-secs", "1"])
+        .env("DATABASE_URL", database_url())
+        .env("AMQP_URL", amqp_url())
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("inboxctl consume starts");
+
+    // Publishing declares the exchange; the consumer has bound its queue once it serves.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while scrape(&addr).await.is_none() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "metrics endpoint never came up"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let published = Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+        .arg("publish")
+        .args(service)
+        .args(["--orders", "20", "--seed", "7"])
+        .env("DATABASE_URL", database_url())
+        .env("AMQP_URL", amqp_url())
+        .env_remove("RUST_LOG")
+        .output()
+        .await
+        .expect("inboxctl publish runs");
+    assert!(
+        published.status.success(),
+        "{}",
+        String::from_utf8_lossy(&published.stderr)
+    );
+
+    let processed = "rabbit_inbox_outcomes_total{consumer=\"order-service\",message_type=\"OrderPlaced\",outcome=\"processed\"}";
+    let text = loop {
+        let text = scrape(&addr).await.unwrap_or_default();
+        if sample(&text, processed).is_some_and(|n| n >= 20.0)
+            && text.contains("rabbit_inbox_open_rows{")
+        {
+            break text;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "20 processed OrderPlaced and the sampled gauges never showed:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+
+    for expected in [
+        "# TYPE rabbit_inbox_handler_duration_seconds histogram",
+        "# TYPE rabbit_inbox_transaction_duration_seconds histogram",
+        "# TYPE rabbit_inbox_commit_to_ack_seconds histogram",
+        "# TYPE rabbit_inbox_attempts histogram",
+        "rabbit_inbox_received_total{consumer=\"order-service\"}",
+        "rabbit_inbox_duplicates_total{consumer=\"order-service\"",
+        "rabbit_inbox_oldest_unprocessed_age_seconds{consumer=\"order-service\"}",
+        "rabbit_inbox_parked_rows{consumer=\"order-service\"}",
+        "le=\"0.005\"",
+    ] {
+        assert!(text.contains(expected), "{expected} missing from:\n{text}");
+    }
+    let received = sample(
+        &text,
+        "rabbit_inbox_received_total{consumer=\"order-service\"}",
+    )
+    .expect("received");
+    assert!(received >= 60.0, "20 orders and their payments: {received}");
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(consumer.id().expect("pid") as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let status = tokio::time::timeout(Duration::from_secs(30), consumer.wait())
+        .await
+        .expect("consumer stops after SIGTERM")
+        .expect("exit status");
+    assert!(status.success(), "{status}");
+}

@@ -1,0 +1,153 @@
+//! Several broker addresses: the nodes of one RabbitMQ cluster, tried in order.
+//!
+//! Every connection the library opens goes through [`connect`], so the consumer, its
+//! publisher, the outbox relay and the operator tools all take a comma-separated list where
+//! they take an AMQP URL (`AMQP_URL=amqp://a:5672,amqp://b:5672`).
+
+use std::{fmt, str::FromStr, time::Duration};
+
+use lapin::{Connection, ConnectionProperties, uri::AMQPUri};
+
+use crate::error::BrokerError;
+
+/// How long one address may take to accept a connection before the next is tried. A node that
+/// is partitioned away or paused does not refuse; it just never answers.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One or more AMQP URLs of the same broker (the nodes of a cluster), in the order they are
+/// tried. Parsed from a comma-separated list; each entry must be a valid `amqp://` or
+/// `amqps://` URL.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AmqpAddresses {
+    nodes: Vec<Node>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Node {
+    uri: AMQPUri,
+    /// `host:port`, shown in the connection name and in logs (never the credentials).
+    label: String,
+}
+
+impl AmqpAddresses {
+    /// Parses a comma-separated list of AMQP URLs. Blank entries are ignored; at least one
+    /// URL is required.
+    pub fn parse(list: &str) -> Result<Self, BrokerError> {
+        let mut nodes = Vec::new();
+        for entry in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let uri = AMQPUri::from_str(entry).map_err(|reason| {
+                BrokerError::InvalidAddress(format!("{}: {reason}", redacted(entry)))
+            })?;
+            let label = format!("{}:{}", uri.authority.host, uri.authority.port);
+            nodes.push(Node { uri, label });
+        }
+        if nodes.is_empty() {
+            return Err(BrokerError::InvalidAddress(
+                "no AMQP URL given (expected amqp://user:pass@host:port/vhost, several separated by commas)"
+                    .into(),
+            ));
+        }
+        Ok(Self { nodes })
+    }
+
+    /// The addresses' `host:port`, in the order they are tried.
+    pub fn nodes(&self) -> impl Iterator<Item = &str> {
+        self.nodes.iter().map(|n| n.label.as_str())
+    }
+
+    /// Connects to the first address that accepts, naming the connection `{name} @ host:port`
+    /// so that the broker's connection list shows the node in use. The error is the last
+    /// address's when none accepts; callers retry with their back-off.
+    pub(crate) async fn connect(&self, name: &str) -> Result<Connection, BrokerError> {
+        let mut last = None;
+        for (i, node) in self.nodes.iter().enumerate() {
+            let props = ConnectionProperties::default()
+                .with_connection_name(format!("{name} @ {}", node.label).into());
+            let attempt = Connection::connect_uri(node.uri.clone(), props);
+            let error = match tokio::time::timeout(CONNECT_TIMEOUT, attempt).await {
+                Ok(Ok(connection)) => {
+                    if i > 0 {
+                        tracing::info!(node = %node.label, "connected to a fallback broker address");
+                    }
+                    return Ok(connection);
+                }
+                Ok(Err(e)) => BrokerError::from(e),
+                Err(_) => BrokerError::ConnectTimeout(node.label.clone()),
+            };
+            if self.nodes.len() > 1 {
+                tracing::warn!(node = %node.label, error = %error, "broker address unreachable; trying the next");
+            }
+            last = Some(error);
+        }
+        Err(last.unwrap_or_else(|| BrokerError::InvalidAddress("no AMQP URL given".into())))
+    }
+}
+
+impl FromStr for AmqpAddresses {
+    type Err = BrokerError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+impl fmt::Display for AmqpAddresses {
+    /// The `host:port` list, without credentials.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let labels: Vec<&str> = self.nodes().collect();
+        f.write_str(&labels.join(","))
+    }
+}
+
+/// `url` with any password replaced, for error messages.
+fn redacted(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_owned();
+    };
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => {
+            let user = rest[..at].split(':').next().unwrap_or("");
+            format!("{}{user}:***{}", &url[..scheme_end], &rest[at..])
+        }
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_comma_separated_list_in_order() {
+        let a = AmqpAddresses::parse(
+            "amqp://guest:guest@127.0.0.1:5681/%2f, amqp://guest:guest@127.0.0.1:5682/%2f,,",
+        )
+        .expect("valid");
+        assert_eq!(
+            a.nodes().collect::<Vec<_>>(),
+            ["127.0.0.1:5681", "127.0.0.1:5682"]
+        );
+        assert_eq!(a.to_string(), "127.0.0.1:5681,127.0.0.1:5682");
+    }
+
+    #[test]
+    fn a_single_url_is_a_list_of_one() {
+        let a = AmqpAddresses::parse("amqp://127.0.0.1:5672/%2f").expect("valid");
+        assert_eq!(a.nodes().count(), 1);
+    }
+
+    #[test]
+    fn refuses_an_empty_list_and_a_bad_entry_without_showing_the_password() {
+        assert!(matches!(
+            AmqpAddresses::parse(" , "),
+            Err(BrokerError::InvalidAddress(_))
+        ));
+        let err = AmqpAddresses::parse("amqp://127.0.0.1:5672,http://alice:secret@host:1/")
+            .expect_err("http is not AMQP");
+        let shown = err.to_string();
+        assert!(shown.contains("alice:***@host"), "{shown}");
+        assert!(!shown.contains("secret"), "{shown}");
+    }
+}

@@ -1,0 +1,276 @@
+//! The outbox relay's publishing link: mandatory publishes with publisher confirms, a result per
+//! message. A returned (unroutable) message is a failure, never a success: RabbitMQ confirms a
+//! mandatory publish it could not route only after returning it, and lapin folds the return into
+//! the confirm (`Confirmation::Ack(Some(returned))`).
+
+use std::{collections::HashSet, time::Duration};
+
+use futures::future::join_all;
+use lapin::{
+    Channel, Confirmation, Connection, ExchangeKind,
+    options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions},
+    types::FieldTable,
+};
+
+use super::{connect, headers::short, publish::OutgoingMessage};
+use crate::error::BrokerError;
+
+/// One message for [`ConfirmedLink::publish_all`].
+pub(crate) struct Publication {
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) content_type: String,
+    pub(crate) message: OutgoingMessage,
+}
+
+/// What the broker made of one publish.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum PublishResult {
+    /// Routed to at least one queue and confirmed.
+    Confirmed,
+    /// Unroutable: returned by the broker (no queue bound for the routing key).
+    Returned(String),
+    /// Negatively confirmed: the broker could not take it.
+    Nacked,
+    /// The exchange does not exist.
+    ExchangeMissing,
+    /// The message cannot be expressed in AMQP (a name over 255 bytes, say); it never will be.
+    Unpublishable(String),
+    /// No answer: the connection failed or the confirm did not come in time. The message may or
+    /// may not have reached the broker; not the message's fault.
+    Unconfirmed(String),
+}
+
+/// A connection and confirm channel, opened on first use and reopened after a failure.
+///
+/// Takes one AMQP URL. A cluster's several addresses would be tried here, in `open`, the only
+/// place the relay connects.
+pub(crate) struct ConfirmedLink {
+    amqp_url: String,
+    connection_name: String,
+    link: Option<Link>,
+}
+
+struct Link {
+    connection: Connection,
+    channel: Channel,
+    /// Exchanges seen to exist on this connection. Checked before publishing to them, because a
+    /// publish to a missing exchange closes the channel and fails every publish after it.
+    exchanges: HashSet<String>,
+}
+
+impl ConfirmedLink {
+    pub(crate) fn new(amqp_url: &str, connection_name: &str) -> Self {
+        Self {
+            amqp_url: amqp_url.to_owned(),
+            connection_name: connection_name.to_owned(),
+            link: None,
+        }
+    }
+
+    async fn open(&mut self) -> Result<&mut Link, BrokerError> {
+        let usable = self
+            .link
+            .as_ref()
+            .is_some_and(|l| l.channel.status().connected());
+        if !usable {
+            // Dropping the old link closes its connection.
+            self.link = None;
+            let connection = connect(&self.amqp_url, &self.connection_name).await?;
+            let channel = confirm_channel(&connection).await?;
+            self.link = Some(Link {
+                connection,
+                channel,
+                exchanges: HashSet::new(),
+            });
+        }
+        self.link
+            .as_mut()
+            .ok_or_else(|| BrokerError::NotConfirmed("no publishing link".into()))
+    }
+
+    /// Publishes `items` in order (mandatory, persistent as built) and waits at most `timeout`
+    /// for all confirms. One result per item, in order.
+    pub(crate) async fn publish_all(
+        &mut self,
+        items: &[Publication],
+        timeout: Duration,
+    ) -> Vec<PublishResult> {
+        let unconfirmed = |e: &dyn std::fmt::Display| {
+            items
+                .iter()
+                .map(|_| PublishResult::Unconfirmed(e.to_string()))
+                .collect::<Vec<_>>()
+        };
+        let mut results: Vec<Option<PublishResult>> = vec![None; items.len()];
+        let missing = match self.check_exchanges(items).await {
+            Ok(missing) => missing,
+            Err(e) => {
+                self.link = None;
+                return unconfirmed(&e);
+            }
+        };
+        let link = match self.open().await {
+            Ok(link) => link,
+            Err(e) => return unconfirmed(&e),
+        };
+        let mut confirms = Vec::with_capacity(items.len());
+        let mut broken = None;
+        for (i, item) in items.iter().enumerate() {
+            if missing.contains(&item.exchange) {
+                results[i] = Some(PublishResult::ExchangeMissing);
+                continue;
+            }
+            if let Some(e) = &broken {
+                results[i] = Some(PublishResult::Unconfirmed(format!("{e}")));
+                continue;
+            }
+            let properties = match item.message.properties() {
+                Ok(p) => p.with_content_type(item.content_type.as_str().into()),
+                Err(e) => {
+                    results[i] = Some(PublishResult::Unpublishable(e.to_string()));
+                    continue;
+                }
+            };
+            let (exchange, routing_key) = match (
+                short("exchange", &item.exchange),
+                short("routing key", &item.routing_key),
+            ) {
+                (Ok(x), Ok(r)) => (x, r),
+                (Err(e), _) | (_, Err(e)) => {
+                    results[i] = Some(PublishResult::Unpublishable(e.to_string()));
+                    continue;
+                }
+            };
+            let published = link
+                .channel
+                .basic_publish(
+                    exchange,
+                    routing_key,
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
+                    &item.message.body,
+                    properties,
+                )
+                .await;
+            match published {
+                Ok(confirm) => confirms.push((i, confirm)),
+                Err(e) => {
+                    results[i] = Some(PublishResult::Unconfirmed(e.to_string()));
+                    broken = Some(e);
+                }
+            }
+        }
+        let (indexes, futures): (Vec<usize>, Vec<_>) = confirms.into_iter().unzip();
+        match tokio::time::timeout(timeout, join_all(futures)).await {
+            Ok(confirmed) => {
+                for (i, confirmation) in indexes.into_iter().zip(confirmed) {
+                    results[i] = Some(match confirmation {
+                        Ok(Confirmation::Ack(None)) => PublishResult::Confirmed,
+                        Ok(
+                            Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)),
+                        ) => PublishResult::Returned(format!(
+                            "{} {}",
+                            returned.reply_code, returned.reply_text
+                        )),
+                        Ok(Confirmation::Nack(None)) => PublishResult::Nacked,
+                        Ok(Confirmation::NotRequested) => {
+                            PublishResult::Unconfirmed("confirms not enabled".into())
+                        }
+                        Err(e) => PublishResult::Unconfirmed(e.to_string()),
+                    });
+                }
+            }
+            Err(_) => {
+                for i in indexes {
+                    results[i] = Some(PublishResult::Unconfirmed(format!(
+                        "no confirm within {timeout:?}"
+                    )));
+                }
+                // A channel that does not confirm in time is not trusted with the next batch.
+                self.link = None;
+            }
+        }
+        if broken.is_some() {
+            self.link = None;
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| PublishResult::Unconfirmed("not published".into())))
+            .collect()
+    }
+
+    /// The exchanges of `items` that do not exist, checked passively once per connection. A
+    /// failed check closes the channel; it is reopened for the next exchange.
+    async fn check_exchanges(
+        &mut self,
+        items: &[Publication],
+    ) -> Result<HashSet<String>, BrokerError> {
+        let mut missing = HashSet::new();
+        for item in items {
+            let exchange = &item.exchange;
+            // The default exchange always exists and cannot be declared.
+            if exchange.is_empty() || missing.contains(exchange) {
+                continue;
+            }
+            let link = self.open().await?;
+            if link.exchanges.contains(exchange) {
+                continue;
+            }
+            let Ok(name) = short("exchange", exchange) else {
+                continue; // reported per item as unpublishable
+            };
+            let checked = link
+                .channel
+                .exchange_declare(
+                    name,
+                    ExchangeKind::Topic,
+                    ExchangeDeclareOptions {
+                        passive: true,
+                        ..ExchangeDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await;
+            match checked {
+                Ok(()) => {
+                    link.exchanges.insert(exchange.clone());
+                }
+                Err(e) if is_not_found(&e) => {
+                    missing.insert(exchange.clone());
+                    // The 404 closed the channel; the connection stays.
+                    link.channel = confirm_channel(&link.connection).await?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(missing)
+    }
+
+    /// Closes the connection.
+    pub(crate) async fn close(&mut self) {
+        if let Some(link) = self.link.take() {
+            let _ = link.connection.close(200, "shutdown".into()).await;
+        }
+    }
+}
+
+fn is_not_found(e: &lapin::Error) -> bool {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => matches!(
+            amqp.kind(),
+            lapin::protocol::AMQPErrorKind::Soft(lapin::protocol::AMQPSoftError::NOTFOUND)
+        ),
+        _ => false,
+    }
+}
+
+async fn confirm_channel(connection: &Connection) -> Result<Channel, BrokerError> {
+    let channel = connection.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
+}

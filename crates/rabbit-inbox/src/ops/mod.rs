@@ -1,0 +1,179 @@
+//! Operations on a live inbox: what an operator (through `inboxctl` or the admin HTTP API)
+//! does when something goes wrong. Each operation is written once, here; front ends only parse
+//! arguments and render results.
+//!
+//! **Invariant:** an operation that changes a row or moves a message takes an [`Actor`] and
+//! writes `inbox_audit` in the same transaction as the change; no operation deletes inbox
+//! evidence except retention, which leaves a tombstone.
+
+mod doctor;
+mod inspect;
+mod recover;
+mod redrive;
+mod reopen;
+mod retention;
+
+pub use doctor::{Area, Check, DoctorReport, DoctorRequest, Severity, check_ids};
+pub use inspect::{
+    AuditEntry, BrokerDepths, BrokerLocation, FailureGroup, ListFilter, ListPage, OPEN_STATUSES,
+    Payload, RowDetail, RowSummary, ShowQuery, ShowReport, StatusLine, StatusQuery, StatusReport,
+    Tombstone,
+};
+pub(crate) use recover::RecoveryTask;
+pub use recover::{
+    RECOVERY_HEADER, RecoverRequest, RecoveredMessage, RecoveryAction, RecoveryCause,
+    RecoveryConfig, RecoveryPolicy, RecoveryReport,
+};
+pub use redrive::{
+    DROP_PROCESSED, Finding, ParkedAction, ParkedClass, REDRIVE, RedriveReport, RedriveRequest,
+};
+pub use reopen::{FORCED_REPLAY, REOPEN, Reopened};
+pub use retention::{CleanupReport, CleanupRequest};
+use sqlx::PgPool;
+
+use crate::{BrokerError, SchemaName, StoreError};
+
+/// Who asks for a change, and why. Required by every operation that changes a row or moves a
+/// message, and written to `inbox_audit`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Actor {
+    name: String,
+    reason: String,
+    ticket: Option<String>,
+}
+
+impl Actor {
+    /// An operator (or a token's name) with the reason for the action. Both must be non-blank.
+    pub fn new(name: impl Into<String>, reason: impl Into<String>) -> Result<Self, OpsError> {
+        let (name, reason) = (name.into(), reason.into());
+        if name.trim().is_empty() {
+            return Err(OpsError::Invalid("an actor name is required".into()));
+        }
+        if reason.trim().is_empty() {
+            return Err(OpsError::Invalid("a reason is required".into()));
+        }
+        Ok(Self {
+            name,
+            reason,
+            ticket: None,
+        })
+    }
+
+    /// Cites a ticket (incident, change request) beside the reason.
+    pub fn with_ticket(mut self, ticket: impl Into<String>) -> Self {
+        let ticket = ticket.into();
+        self.ticket = (!ticket.trim().is_empty()).then_some(ticket);
+        self
+    }
+
+    /// The actor's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Why the action is taken.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+
+    /// The cited ticket, if any.
+    pub fn ticket(&self) -> Option<&str> {
+        self.ticket.as_deref()
+    }
+}
+
+/// Progress of a long operation, reported as it goes (a progress bar in the CLI, nothing in
+/// the HTTP API).
+pub trait Progress: Send + Sync {
+    /// The total is known (or has changed).
+    fn set_total(&self, _total: u64) {}
+    /// `n` more items are done.
+    fn advance(&self, _n: u64) {}
+}
+
+/// Reports nothing.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoProgress;
+
+impl Progress for NoProgress {}
+
+/// Why an operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    /// The request itself is wrong (missing actor or reason, bad filter, unknown message).
+    #[error("{0}")]
+    Invalid(String),
+    /// The operation would be unsafe and was refused; the message says what would force it.
+    #[error("refused: {0}")]
+    Refused(String),
+    /// The inbox could not be read or written.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The broker could not be reached or refused an action.
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+}
+
+impl From<sqlx::Error> for OpsError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Store(StoreError::Database(e))
+    }
+}
+
+/// The operations on one inbox schema. Cheap to clone; holds a pool, not a connection.
+#[derive(Clone, Debug)]
+pub struct Operations {
+    pool: PgPool,
+    schema: SchemaName,
+}
+
+impl Operations {
+    /// Operations on the inbox in `schema`.
+    pub fn new(pool: PgPool, schema: SchemaName) -> Self {
+        Self { pool, schema }
+    }
+
+    /// The pool the operations run on.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The inbox's schema.
+    pub fn schema(&self) -> &SchemaName {
+        &self.schema
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn actor_needs_a_name_and_a_reason() {
+        assert!(Actor::new("", "fix deployed").is_err());
+        assert!(Actor::new("alice", "  ").is_err());
+        let a = Actor::new("alice", "fix deployed")
+            .expect("valid")
+            .with_ticket("");
+        assert_eq!(a.ticket(), None);
+        assert_eq!(a.with_ticket("INC-42").ticket(), Some("INC-42"));
+    }
+
+    /// The admin HTTP API runs operations on a multi-threaded runtime: their futures must be
+    /// `Send` (this compiles only if they are).
+    #[allow(dead_code)]
+    fn operations_are_send(ops: &Operations, lot: &crate::ParkingLot, actor: &Actor) {
+        fn send<T: Send>(_: &T) {}
+        send(&ops.status(&StatusQuery::default(), Some(lot)));
+        send(&ops.list(&ListFilter::default()));
+        send(&ops.failure_groups(None));
+        send(&ops.reopen("m", "c", actor, false));
+        send(&ops.redrive(lot, &RedriveRequest::default(), Some(actor), &NoProgress));
+        send(&ops.doctor(&DoctorRequest::default()));
+        send(&ops.show(&ShowQuery {
+            message_id: "m".into(),
+            consumer: None,
+            topology: None,
+        }));
+    }
+}

@@ -1,0 +1,619 @@
+//! Redrive: moving parked messages back to their work queue after a fix, each one classified
+//! against its inbox row first.
+//!
+//! | parked copy's row              | class          | redrive does                             |
+//! |--------------------------------|----------------|------------------------------------------|
+//! | PERMANENT_FAILED / POISONED /  | `reopen`       | reopen the row (audited), move the copy  |
+//! | MANUAL_REVIEW                  |                |                                          |
+//! | RETRYABLE_FAILED / PROCESSING  | `resume`       | move the copy (row already open: an      |
+//! |                                |                | earlier redrive stopped midway)          |
+//! | PROCESSED                      | `processed`    | leave it (a finding); `drop_processed`   |
+//! |                                |                | removes it, audited                      |
+//! | none, tombstone kept           | `would_reapply`| refuse; `force` replays it, audited      |
+//! | none, no tombstone (or no key) | `unknown`      | refuse; `force` moves it, audited        |
+//!
+//! A move is: open a transaction, reopen the row and write the audit record in it, publish the
+//! restored original to the work queue through the default exchange and wait for the confirm,
+//! commit, and only then ack the parked copy. Whatever the step a redrive is killed at, the
+//! message exists at least once and its effect applies once: before the commit nothing
+//! changed but a copy may sit in the work queue (its row is still parked: the consumer parks
+//! it again, and the next redrive moves both); after the commit and before the ack the parked
+//! copy comes back (its row is open: the next redrive resumes it, and the inbox drops the
+//! second copy as a duplicate).
+//!
+//! Copies left alone stay unacked until the pass ends, so one pass reads each copy once; they
+//! then go back to the parking lot in their places. A pass reads at most as many copies as the
+//! parking lot held when it started: messages parked meanwhile wait for the next pass.
+
+use std::{
+    collections::{BTreeMap, HashSet},
+    time::Duration,
+};
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use sqlx::{AssertSqlSafe, Row};
+
+use super::{
+    Actor, Operations, OpsError, Progress,
+    reopen::{FORCED_REPLAY, audit, reopen_row},
+};
+use crate::{EnvelopeRules, InboxStatus, ParkedMessage, ParkingLot, Republished, envelope::parse};
+
+/// Audit action of a parked copy moved back for an open row, or without an inbox row.
+pub const REDRIVE: &str = "redrive";
+/// Audit action of a parked copy of a PROCESSED row removed from the parking lot.
+pub const DROP_PROCESSED: &str = "redrive_drop_processed";
+
+/// What a pass read in the parking lot, for reconciliation.
+#[derive(Debug, Default)]
+pub(crate) struct ParkedKeys {
+    /// Inbox keys (consumer, message id) of every copy read.
+    pub(crate) keys: HashSet<(String, String)>,
+    /// Message ids of the copies of PROCESSED rows that were parked as payload conflicts (a
+    /// producer reused the id with another body): parked by design, not a lost state.
+    pub(crate) processed_conflicts: Vec<String>,
+}
+
+/// Most entries in [`RedriveReport::findings`].
+const MAX_FINDINGS: usize = 1000;
+
+/// What a redrive does, and to which parked copies. Empty filters match everything.
+#[derive(Clone, Debug, Default)]
+pub struct RedriveRequest {
+    /// Classify and count only; nothing moves (copies are read and put back).
+    pub dry_run: bool,
+    /// Only copies parked by this consumer.
+    pub consumer: Option<String>,
+    /// Only this message type (the row's, else the tombstone's, else the copy's).
+    pub message_type: Option<String>,
+    /// Only this error code (the row's last, else the one the copy was parked with).
+    pub error_code: Option<String>,
+    /// Only copies parked at or after.
+    pub since: Option<DateTime<Utc>>,
+    /// Only copies parked before.
+    pub until: Option<DateTime<Utc>>,
+    /// At most this many moves per second.
+    pub rate_per_sec: Option<f64>,
+    /// At most this many copies moved (or, in a dry run, that would move).
+    pub limit: Option<u64>,
+    /// Also replay copies whose row retention removed, and copies the inbox does not know.
+    pub force: bool,
+    /// Remove copies whose row is PROCESSED instead of leaving them.
+    pub drop_processed: bool,
+}
+
+/// How a parked copy relates to the inbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParkedClass {
+    /// Row parked: reopen and move.
+    Reopen,
+    /// Row already open (RETRYABLE_FAILED, PROCESSING): move.
+    Resume,
+    /// Row PROCESSED: the effect is applied; the copy should not be in the parking lot.
+    Processed,
+    /// No row, but a tombstone: moving it would apply the effect again.
+    WouldReapply,
+    /// No row, no tombstone, or no inbox key at all.
+    Unknown,
+    /// Not selected by the request's filters.
+    Filtered,
+}
+
+impl ParkedClass {
+    /// Its name in reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ParkedClass::Reopen => "reopen",
+            ParkedClass::Resume => "resume",
+            ParkedClass::Processed => "processed",
+            ParkedClass::WouldReapply => "would_reapply",
+            ParkedClass::Unknown => "unknown",
+            ParkedClass::Filtered => "filtered",
+        }
+    }
+}
+
+/// What happened to one parked copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParkedAction {
+    /// Published to the work queue and removed from the parking lot.
+    Moved,
+    /// Dry run: would be moved.
+    WouldMove,
+    /// Removed from the parking lot (a PROCESSED row's copy, with `drop_processed`).
+    Removed,
+    /// Put back: needs `force` (or `drop_processed`).
+    Refused,
+    /// Put back: not selected, or a dry run.
+    Left,
+}
+
+/// A parked copy an operator should look at (refused, or PROCESSED).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Finding {
+    /// Inbox key, if the copy has one.
+    pub message_id: Option<String>,
+    /// Consumer that parked it.
+    pub consumer: Option<String>,
+    /// Class.
+    pub class: ParkedClass,
+    /// Action.
+    pub action: ParkedAction,
+    /// Why.
+    pub detail: String,
+}
+
+/// What [`Operations::redrive`] did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct RedriveReport {
+    /// Nothing was changed.
+    pub dry_run: bool,
+    /// Copies in the parking lot when the pass started.
+    pub parked_at_start: u32,
+    /// Copies read.
+    pub examined: u64,
+    /// Copies per class (`reopen`, `resume`, `processed`, ...).
+    pub classes: BTreeMap<&'static str, u64>,
+    /// Copies per action (`moved`, `refused`, `left`, ...).
+    pub actions: BTreeMap<&'static str, u64>,
+    /// Moved copies whose producer `user-id` could not be restored (see [`Republished`]).
+    pub user_id_not_restored: u64,
+    /// Refused and PROCESSED copies, at most 1000.
+    pub findings: Vec<Finding>,
+}
+
+impl RedriveReport {
+    /// Copies of `class`.
+    pub fn class(&self, class: ParkedClass) -> u64 {
+        self.classes.get(class.as_str()).copied().unwrap_or(0)
+    }
+
+    /// Copies that got `action`.
+    pub fn action(&self, action: ParkedAction) -> u64 {
+        let name = match action {
+            ParkedAction::Moved => "moved",
+            ParkedAction::WouldMove => "would_move",
+            ParkedAction::Removed => "removed",
+            ParkedAction::Refused => "refused",
+            ParkedAction::Left => "left",
+        };
+        self.actions.get(name).copied().unwrap_or(0)
+    }
+
+    fn note(&mut self, class: ParkedClass, action: ParkedAction) {
+        *self.classes.entry(class.as_str()).or_default() += 1;
+        let name = match action {
+            ParkedAction::Moved => "moved",
+            ParkedAction::WouldMove => "would_move",
+            ParkedAction::Removed => "removed",
+            ParkedAction::Refused => "refused",
+            ParkedAction::Left => "left",
+        };
+        *self.actions.entry(name).or_default() += 1;
+    }
+}
+
+/// The inbox's view of a parked copy.
+struct Classified {
+    class: ParkedClass,
+    key: Option<String>,
+    consumer: Option<String>,
+    message_type: Option<String>,
+    error_code: Option<String>,
+    detail: String,
+    /// For `would_reapply`: whether the copy's body hashes as the removed row's did.
+    tombstone_hash_matches: Option<bool>,
+}
+
+/// Both hashes the inbox may have recorded for a body: canonical JSON (the default) and raw.
+fn body_hashes(parked: &ParkedMessage) -> [Vec<u8>; 2] {
+    let canonical = match parse(parked.message().clone(), &EnvelopeRules::default()) {
+        Ok(e) => e.payload_sha256.to_vec(),
+        Err(invalid) => invalid.envelope.payload_sha256.to_vec(),
+    };
+    [canonical, Sha256::digest(&parked.message().body).to_vec()]
+}
+
+impl Operations {
+    async fn classify(&self, parked: &ParkedMessage) -> Result<Classified, OpsError> {
+        let key = parked.inbox_key().map(str::to_owned);
+        let consumer = parked.consumer().map(str::to_owned);
+        let mut c = Classified {
+            class: ParkedClass::Unknown,
+            key: key.clone(),
+            consumer: consumer.clone(),
+            message_type: parked.message().kind.clone(),
+            error_code: parked.error_code().map(str::to_owned),
+            detail: String::new(),
+            tombstone_hash_matches: None,
+        };
+        let (Some(key), Some(consumer)) = (key, consumer) else {
+            c.detail = "the copy has no x-inbox-message-id / x-inbox-consumer headers: the \
+                        inbox cannot tell whether it was processed"
+                .into();
+            return Ok(c);
+        };
+        let row = sqlx::query(AssertSqlSafe(format!(
+            "SELECT status, message_type, last_error_code FROM {} \
+             WHERE consumer_name = $1 AND message_id = $2",
+            self.schema.qualify("message_inbox")
+        )))
+        .persistent(false)
+        .bind(&consumer)
+        .bind(&key)
+        .fetch_optional(&self.pool)
+        .await?;
+        if let Some(row) = row {
+            let status: InboxStatus = row.try_get::<String, _>("status")?.parse()?;
+            c.message_type = Some(row.try_get("message_type")?);
+            if let Some(code) = row.try_get::<Option<String>, _>("last_error_code")? {
+                c.error_code = Some(code);
+            }
+            (c.class, c.detail) = match status {
+                InboxStatus::PermanentFailed
+                | InboxStatus::Poisoned
+                | InboxStatus::ManualReview => (ParkedClass::Reopen, format!("row {status}")),
+                InboxStatus::RetryableFailed | InboxStatus::Processing => (
+                    ParkedClass::Resume,
+                    format!("row already reopened ({status})"),
+                ),
+                InboxStatus::Processed => (
+                    ParkedClass::Processed,
+                    "row PROCESSED: the effect is applied; this copy is left in the parking \
+                     lot for reconciliation (drop_processed removes it)"
+                        .into(),
+                ),
+            };
+            return Ok(c);
+        }
+        let tombstone = sqlx::query(AssertSqlSafe(format!(
+            "SELECT payload_sha256, message_type, final_status, removed_at FROM {} \
+             WHERE consumer_name = $1 AND message_id = $2",
+            self.schema.qualify("inbox_tombstone")
+        )))
+        .persistent(false)
+        .bind(&consumer)
+        .bind(&key)
+        .fetch_optional(&self.pool)
+        .await?;
+        match tombstone {
+            Some(t) => {
+                let hash: Vec<u8> = t.try_get("payload_sha256")?;
+                let matches = body_hashes(parked).contains(&hash);
+                let removed: DateTime<Utc> = t.try_get("removed_at")?;
+                let status: String = t.try_get("final_status")?;
+                c.class = ParkedClass::WouldReapply;
+                c.message_type = Some(t.try_get("message_type")?);
+                c.tombstone_hash_matches = Some(matches);
+                c.detail = format!(
+                    "retention removed its {status} row on {removed} (body {}): moving it \
+                     would apply it again; needs force",
+                    if matches {
+                        "identical"
+                    } else {
+                        "differs from the removed row's"
+                    }
+                );
+            }
+            None => {
+                c.detail =
+                    "no inbox row and no tombstone: unknown to the inbox; needs force".into();
+            }
+        }
+        Ok(c)
+    }
+
+    fn selected(&self, request: &RedriveRequest, parked: &ParkedMessage, c: &Classified) -> bool {
+        let matches = |want: &Option<String>, have: &Option<String>| {
+            want.as_ref().is_none_or(|w| have.as_ref() == Some(w))
+        };
+        let parked_at = parked.parked_at();
+        matches(&request.consumer, &c.consumer)
+            && matches(&request.message_type, &c.message_type)
+            && matches(&request.error_code, &c.error_code)
+            && request
+                .since
+                .is_none_or(|s| parked_at.is_some_and(|p| p >= s))
+            && request
+                .until
+                .is_none_or(|u| parked_at.is_some_and(|p| p < u))
+    }
+
+    /// Moves parked messages back to the work queue after a fix, classifying each against its
+    /// inbox row (see the module docs); counts per class and action at the end. Anything but
+    /// a dry run needs an `actor`: every change is audited. Fails on a broker or database
+    /// error, after putting back what it held.
+    pub async fn redrive(
+        &self,
+        lot: &ParkingLot,
+        request: &RedriveRequest,
+        actor: Option<&Actor>,
+        progress: &dyn Progress,
+    ) -> Result<RedriveReport, OpsError> {
+        self.redrive_seeing(lot, request, actor, progress, None)
+            .await
+    }
+
+    /// [`Operations::redrive`], also collecting the inbox key (consumer, message id) of every
+    /// copy read into `seen`, whatever its class: the other direction of reconciliation
+    /// (parked rows without a copy) needs the keys, not only the counts.
+    pub(crate) async fn redrive_seeing(
+        &self,
+        lot: &ParkingLot,
+        request: &RedriveRequest,
+        actor: Option<&Actor>,
+        progress: &dyn Progress,
+        seen: Option<&mut ParkedKeys>,
+    ) -> Result<RedriveReport, OpsError> {
+        if !request.dry_run && actor.is_none() {
+            return Err(OpsError::Invalid(
+                "a redrive that moves messages needs an actor and a reason (or a dry run)".into(),
+            ));
+        }
+        if request
+            .rate_per_sec
+            .is_some_and(|r| !(r > 0.0 && r.is_finite()))
+        {
+            return Err(OpsError::Invalid("rate must be a positive number".into()));
+        }
+        let (_, parking) = lot.depths().await?;
+        let Some(depth) = parking.messages else {
+            return Err(OpsError::Invalid(format!(
+                "parking lot {} does not exist",
+                lot.parking_queue()
+            )));
+        };
+        progress.set_total(u64::from(depth));
+        let mut report = RedriveReport {
+            dry_run: request.dry_run,
+            parked_at_start: depth,
+            ..RedriveReport::default()
+        };
+        let mut held = Vec::new();
+        let result = self
+            .redrive_pass(
+                lot,
+                request,
+                actor,
+                progress,
+                depth,
+                &mut held,
+                &mut report,
+                seen,
+            )
+            .await;
+        // Back in their places, whatever happened; a copy not put back (broken channel) comes
+        // back when the connection closes.
+        for parked in held {
+            if let Err(e) = lot.put_back(parked).await {
+                tracing::warn!(error = %e, "could not put a parked copy back; it returns when the connection closes");
+            }
+        }
+        result.map(|()| report)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn redrive_pass(
+        &self,
+        lot: &ParkingLot,
+        request: &RedriveRequest,
+        actor: Option<&Actor>,
+        progress: &dyn Progress,
+        depth: u32,
+        held: &mut Vec<ParkedMessage>,
+        report: &mut RedriveReport,
+        mut seen: Option<&mut ParkedKeys>,
+    ) -> Result<(), OpsError> {
+        let mut pace = request.rate_per_sec.map(|r| {
+            let mut i = tokio::time::interval(Duration::from_secs_f64(1.0 / r));
+            i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            i
+        });
+        let mut moving = 0u64;
+        for _ in 0..depth {
+            if request.limit.is_some_and(|l| moving >= l) {
+                break;
+            }
+            let Some(parked) = lot.next().await? else {
+                break;
+            };
+            report.examined += 1;
+            progress.advance(1);
+            let c = match self.classify(&parked).await {
+                Ok(c) => c,
+                Err(e) => {
+                    held.push(parked);
+                    return Err(e);
+                }
+            };
+            if let (Some(seen), Some(consumer), Some(key)) = (seen.as_mut(), &c.consumer, &c.key) {
+                seen.keys.insert((consumer.clone(), key.clone()));
+                if c.class == ParkedClass::Processed
+                    && parked.error_code() == Some(crate::PAYLOAD_CONFLICT)
+                {
+                    seen.processed_conflicts.push(key.clone());
+                }
+            }
+            if !self.selected(request, &parked, &c) {
+                report.note(ParkedClass::Filtered, ParkedAction::Left);
+                held.push(parked);
+                continue;
+            }
+            let movable = match c.class {
+                ParkedClass::Reopen | ParkedClass::Resume => true,
+                ParkedClass::WouldReapply | ParkedClass::Unknown => request.force,
+                ParkedClass::Processed | ParkedClass::Filtered => false,
+            };
+            let finding = |action| Finding {
+                message_id: c.key.clone(),
+                consumer: c.consumer.clone(),
+                class: c.class,
+                action,
+                detail: c.detail.clone(),
+            };
+            let record = |report: &mut RedriveReport, action| {
+                report.note(c.class, action);
+                if action != ParkedAction::Moved
+                    && action != ParkedAction::WouldMove
+                    && report.findings.len() < MAX_FINDINGS
+                {
+                    report.findings.push(finding(action));
+                }
+            };
+            let (true, Some(actor)) = (!request.dry_run, actor) else {
+                // Dry run: classify only.
+                let action = if movable {
+                    moving += 1;
+                    ParkedAction::WouldMove
+                } else if c.class == ParkedClass::Processed {
+                    ParkedAction::Left
+                } else {
+                    ParkedAction::Refused
+                };
+                record(report, action);
+                held.push(parked);
+                continue;
+            };
+            if c.class == ParkedClass::Processed && request.drop_processed {
+                let mut tx = self.pool.begin().await?;
+                audit(
+                    &mut tx,
+                    &self.schema,
+                    actor,
+                    DROP_PROCESSED,
+                    c.consumer.as_deref(),
+                    c.key.as_deref(),
+                    json!({ "parking_queue": lot.parking_queue() }),
+                )
+                .await?;
+                tx.commit().await?;
+                lot.remove(parked).await?;
+                record(report, ParkedAction::Removed);
+                continue;
+            }
+            if !movable {
+                let action = if c.class == ParkedClass::Processed {
+                    ParkedAction::Left
+                } else {
+                    ParkedAction::Refused
+                };
+                record(report, action);
+                held.push(parked);
+                continue;
+            }
+            if let Some(pace) = pace.as_mut() {
+                pace.tick().await;
+            }
+            match self.move_copy(lot, &parked, &c, actor).await {
+                Ok(Some(republished)) => {
+                    lot.remove(parked).await?;
+                    if republished.user_id_kept_in_header {
+                        report.user_id_not_restored += 1;
+                    }
+                    moving += 1;
+                    record(report, ParkedAction::Moved);
+                }
+                // The row changed between classification and its lock (a consumer or another
+                // operator got there first): leave the copy for the next pass.
+                Ok(None) => {
+                    record(report, ParkedAction::Left);
+                    held.push(parked);
+                }
+                Err(e) => {
+                    held.push(parked);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reopens (or audits) and republishes one copy in one transaction, committed after the
+    /// broker confirmed the publish. `None`: the row no longer fits the class.
+    async fn move_copy(
+        &self,
+        lot: &ParkingLot,
+        parked: &ParkedMessage,
+        c: &Classified,
+        actor: &Actor,
+    ) -> Result<Option<Republished>, OpsError> {
+        let mut tx = self.pool.begin().await?;
+        let details = json!({
+            "via": REDRIVE,
+            "parking_queue": lot.parking_queue(),
+            "work_queue": lot.work_queue(),
+        });
+        match (c.class, c.key.as_deref(), c.consumer.as_deref()) {
+            (ParkedClass::Reopen, Some(key), Some(consumer)) => {
+                match reopen_row(&mut tx, &self.schema, key, consumer, actor, false, details).await
+                {
+                    Ok(_) => {}
+                    Err(OpsError::Refused(_) | OpsError::Invalid(_)) => return Ok(None),
+                    Err(e) => return Err(e),
+                }
+            }
+            (ParkedClass::Resume, Some(key), Some(consumer)) => {
+                let still_open: Option<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+                    "SELECT status FROM {} WHERE consumer_name = $1 AND message_id = $2 \
+                       AND status IN ('RETRYABLE_FAILED', 'PROCESSING') FOR UPDATE",
+                    self.schema.qualify("message_inbox")
+                )))
+                .bind(consumer)
+                .bind(key)
+                .fetch_optional(&mut *tx)
+                .await?;
+                if still_open.is_none() {
+                    return Ok(None);
+                }
+                audit(
+                    &mut tx,
+                    &self.schema,
+                    actor,
+                    REDRIVE,
+                    Some(consumer),
+                    Some(key),
+                    details,
+                )
+                .await?;
+            }
+            (ParkedClass::WouldReapply | ParkedClass::Unknown, key, consumer) => {
+                let mut details = details;
+                if let Some(d) = details.as_object_mut() {
+                    d.insert("class".into(), Value::from(c.class.as_str()));
+                    d.insert(
+                        "tombstone_hash_matches".into(),
+                        c.tombstone_hash_matches.map_or(Value::Null, Value::from),
+                    );
+                    d.insert(
+                        "amqp_message_id".into(),
+                        parked
+                            .message()
+                            .message_id
+                            .clone()
+                            .map_or(Value::Null, Value::from),
+                    );
+                }
+                audit(
+                    &mut tx,
+                    &self.schema,
+                    actor,
+                    FORCED_REPLAY,
+                    consumer,
+                    key,
+                    details,
+                )
+                .await?;
+            }
+            _ => return Ok(None),
+        }
+        // Published inside the transaction: if the publish fails, nothing changed.
+        let republished = lot.republish(parked).await?;
+        tx.commit().await?;
+        Ok(Some(republished))
+    }
+}

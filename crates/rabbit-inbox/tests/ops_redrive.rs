@@ -1,0 +1,558 @@
+//! Redrive from the parking lot and audited reopen / forced replay, against a small invoicing
+//! service: parked messages are moved back and actually processed once the handler is fixed,
+//! processed ones are skipped, retention-removed and unknown ones are refused without force, an
+//! interrupted redrive is completed by the next run without loss or double effects, and every
+//! change leaves an append-only audit row.
+
+// Shared with the other integration tests; not every helper is used here.
+#[allow(dead_code)]
+mod util;
+
+use rabbit_inbox::{
+    InboxStatus, OutgoingMessage, ParkingLot, Topology,
+    ops::{
+        Actor, DROP_PROCESSED, FORCED_REPLAY, NoProgress, Operations, OpsError, ParkedAction,
+        ParkedClass, REDRIVE, REOPEN, RedriveRequest,
+    },
+    parking_headers,
+};
+use serde_json::json;
+use util::{Rule, TestEnv, amqp_url, message, wait_for};
+
+const CONSUMER: &str = "invoicer";
+
+fn invoice(id: &str) -> OutgoingMessage {
+    message(
+        Some(id),
+        "InvoiceIssued",
+        &json!({ "invoice": id, "amount": 42 }),
+    )
+}
+
+/// A copy in the parking lot as the consumer would have parked it, for a key whose row is
+/// not what parked it (a reconciliation finding, a retention-removed row, a foreign copy).
+async fn park_by_hand(env: &TestEnv, topology: &Topology, id: &str) {
+    let mut m = invoice(id);
+    for (k, v) in [
+        (parking_headers::INBOX_KEY, json!(id)),
+        (parking_headers::CONSUMER, json!(CONSUMER)),
+        (parking_headers::STATUS, json!("PERMANENT_FAILED")),
+        (parking_headers::ERROR_CODE, json!("test_permanent")),
+        (parking_headers::PARKED_AT, json!(1_700_000_000_000i64)),
+    ] {
+        m.headers.insert(k.into(), v);
+    }
+    env.broker
+        .publish("", &topology.parking_queue, &m)
+        .await
+        .expect("parked by hand");
+}
+
+async fn audit_actions(env: &TestEnv, id: &str) -> Vec<String> {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT action FROM \"{}\".inbox_audit WHERE message_id = $1 ORDER BY audit_id",
+        env.schema
+    )))
+    .bind(id)
+    .fetch_all(&env.pool)
+    .await
+    .expect("audit rows")
+}
+
+fn operator() -> Actor {
+    Actor::new("alice", "fix for invoice rounding deployed")
+        .expect("valid actor")
+        .with_ticket("INC-7")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redrive_moves_parked_messages_back_and_they_are_processed() {
+    let env = TestEnv::new().await;
+    let topology = env.topology("invoices");
+    let config = env.config(CONSUMER, topology.clone());
+    env.declare(&config).await;
+    let (handler, plan) = env.handler();
+    let broken = ["inv-1", "inv-2", "inv-3"];
+    for id in broken {
+        plan.for_id(id, Rule::Permanent);
+    }
+    let running = env.start(config.clone(), handler);
+    for id in broken.iter().chain(&["inv-done"]) {
+        env.publish(&topology, &invoice(id)).await;
+    }
+    env.wait_for_record(CONSUMER, "inv-done", "processed", |r| {
+        r.status == InboxStatus::Processed
+    })
+    .await;
+    // A PROCESSED message's copy in the parking lot, one whose row retention removed (its
+    // tombstone kept), and one the inbox never saw.
+    park_by_hand(&env, &topology, "inv-done").await;
+    park_by_hand(&env, &topology, "inv-removed").await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".inbox_tombstone (message_id, consumer_name, payload_sha256, \
+           final_status, message_type, first_received_at, processed_at) \
+         VALUES ('inv-removed', $1, '\\x00', 'PROCESSED', 'InvoiceIssued', now() - interval '40 days', \
+           now() - interval '40 days')",
+        env.schema
+    )))
+    .bind(CONSUMER)
+    .execute(&env.pool)
+    .await
+    .expect("tombstone");
+    park_by_hand(&env, &topology, "inv-stranger").await;
+    wait_for("six parked copies", async || {
+        env.depths(&topology).await.parking == 6
+    })
+    .await;
+
+    let ops = Operations::new(env.pool.clone(), env.schema.clone());
+    let lot = ParkingLot::connect(&amqp_url(), &topology.queue, &topology.parking_queue)
+        .await
+        .expect("parking lot");
+
+    // Dry run: every copy classified, nothing moved or audited.
+    let dry = ops
+        .redrive(
+            &lot,
+            &RedriveRequest {
+                dry_run: true,
+                ..RedriveRequest::default()
+            },
+            None,
+            &NoProgress,
+        )
+        .await
+        .expect("dry run");
+    assert_eq!((dry.parked_at_start, dry.examined), (6, 6));
+    assert_eq!(dry.class(ParkedClass::Reopen), 3);
+    assert_eq!(dry.class(ParkedClass::Processed), 1);
+    assert_eq!(dry.class(ParkedClass::WouldReapply), 1);
+    assert_eq!(dry.class(ParkedClass::Unknown), 1);
+    assert_eq!(dry.action(ParkedAction::WouldMove), 3);
+    assert_eq!(dry.action(ParkedAction::Refused), 2);
+    assert_eq!(
+        env.depths(&topology).await.parking,
+        6,
+        "a dry run moves nothing"
+    );
+    assert_eq!(env.scalar("SELECT count(*) FROM {s}.inbox_audit").await, 0);
+    // A filter selects, the rest is left where it is.
+    let one = ops
+        .redrive(
+            &lot,
+            &RedriveRequest {
+                dry_run: true,
+                consumer: Some(CONSUMER.into()),
+                error_code: Some("test_permanent".into()),
+                limit: Some(2),
+                ..RedriveRequest::default()
+            },
+            None,
+            &NoProgress,
+        )
+        .await
+        .expect("dry run");
+    assert_eq!(one.action(ParkedAction::WouldMove), 2, "limited to 2");
+    // Moving needs an actor.
+    assert!(matches!(
+        ops.redrive(&lot, &RedriveRequest::default(), None, &NoProgress)
+            .await,
+        Err(OpsError::Invalid(_))
+    ));
+
+    // The fix is deployed; redrive.
+    for id in broken {
+        plan.clear_id(id);
+    }
+    let actor = operator();
+    let done = ops
+        .redrive(
+            &lot,
+            &RedriveRequest {
+                rate_per_sec: Some(50.0),
+                ..RedriveRequest::default()
+            },
+            Some(&actor),
+            &NoProgress,
+        )
+        .await
+        .expect("redrive");
+    assert_eq!(done.action(ParkedAction::Moved), 3, "{done:#?}");
+    assert_eq!(done.action(ParkedAction::Refused), 2);
+    assert_eq!(
+        done.action(ParkedAction::Left),
+        1,
+        "the PROCESSED copy stays"
+    );
+    assert!(
+        done.findings
+            .iter()
+            .any(|f| f.class == ParkedClass::WouldReapply
+                && f.message_id.as_deref() == Some("inv-removed"))
+    );
+    for id in broken {
+        // Not merely moved: processed, once, by the consumer that was running all along.
+        env.wait_for_record(CONSUMER, id, "processed after redrive", |r| {
+            r.status == InboxStatus::Processed
+        })
+        .await;
+        assert_eq!(env.effects(id).await, 1, "{id} applied once");
+        assert_eq!(audit_actions(&env, id).await, [REOPEN]);
+    }
+    assert_eq!(env.effects("inv-removed").await, 0, "refused without force");
+    assert_eq!(env.effects("inv-done").await, 1);
+    assert_eq!(env.depths(&topology).await.parking, 3);
+    let reason: (String, String, Option<String>) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT actor, reason, ticket FROM \"{}\".inbox_audit WHERE message_id = 'inv-1'",
+        env.schema
+    )))
+    .fetch_one(&env.pool)
+    .await
+    .expect("audit row");
+    assert_eq!(
+        reason,
+        (
+            "alice".into(),
+            "fix for invoice rounding deployed".into(),
+            Some("INC-7".into())
+        )
+    );
+
+    // Forced: the retention-removed one and the unknown one are replayed, audited.
+    let forced = ops
+        .redrive(
+            &lot,
+            &RedriveRequest {
+                force: true,
+                ..RedriveRequest::default()
+            },
+            Some(&actor),
+            &NoProgress,
+        )
+        .await
+        .expect("forced redrive");
+    assert_eq!(forced.action(ParkedAction::Moved), 2);
+    assert_eq!(forced.action(ParkedAction::Left), 1);
+    for id in ["inv-removed", "inv-stranger"] {
+        env.wait_for_record(CONSUMER, id, "processed after forced redrive", |r| {
+            r.status == InboxStatus::Processed
+        })
+        .await;
+        assert_eq!(env.effects(id).await, 1);
+        assert_eq!(audit_actions(&env, id).await, [FORCED_REPLAY]);
+    }
+    // The PROCESSED copy goes only when asked, audited; its effect is not applied again.
+    let dropped = ops
+        .redrive(
+            &lot,
+            &RedriveRequest {
+                drop_processed: true,
+                ..RedriveRequest::default()
+            },
+            Some(&actor),
+            &NoProgress,
+        )
+        .await
+        .expect("drop processed");
+    assert_eq!(dropped.action(ParkedAction::Removed), 1);
+    assert_eq!(env.depths(&topology).await.parking, 0);
+    assert_eq!(audit_actions(&env, "inv-done").await, [DROP_PROCESSED]);
+    assert_eq!(env.effects("inv-done").await, 1);
+    running.stop().await;
+    lot.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interrupted_redrive_is_completed_by_the_next_run_without_loss_or_double_effects() {
+    let env = TestEnv::new().await;
+    let topology = env.topology("invoices");
+    let config = env.config(CONSUMER, topology.clone());
+    env.declare(&config).await;
+    let (handler, plan) = env.handler();
+    let ids: Vec<String> = (0..6).map(|i| format!("inv-{i}")).collect();
+    for id in &ids {
+        plan.for_id(id, Rule::Permanent);
+    }
+    let running = env.start(config.clone(), handler.clone());
+    for id in &ids {
+        env.publish(&topology, &invoice(id)).await;
+    }
+    wait_for("six parked", async || {
+        env.depths(&topology).await.parking == 6
+    })
+    .await;
+    running.stop().await;
+    for id in &ids {
+        plan.clear_id(id);
+    }
+    let ops = Operations::new(env.pool.clone(), env.schema.clone());
+    let actor = operator();
+
+    // A redrive that died after committing the reopen and publishing, before the ack: the
+    // parked copy returns when its connection goes.
+    let lot = ParkingLot::connect(&amqp_url(), &topology.queue, &topology.parking_queue)
+        .await
+        .expect("parking lot");
+    let first = lot.next().await.expect("get").expect("a parked copy");
+    let first_id = first.inbox_key().expect("inbox key").to_owned();
+    ops.reopen(&first_id, CONSUMER, &actor, false)
+        .await
+        .expect("reopen");
+    lot.republish(&first).await.expect("republished");
+    // One that died after publishing, before its transaction committed: row still parked.
+    let second = lot.next().await.expect("get").expect("a parked copy");
+    let second_id = second.inbox_key().expect("inbox key").to_owned();
+    lot.republish(&second).await.expect("republished");
+    drop((first, second));
+    lot.close().await; // killed: nothing acked
+    wait_for("both copies back in the parking lot", async || {
+        let d = env.depths(&topology).await;
+        d.parking == 6 && d.work == 2
+    })
+    .await;
+
+    // The next run finishes the job.
+    let lot = ParkingLot::connect(&amqp_url(), &topology.queue, &topology.parking_queue)
+        .await
+        .expect("parking lot");
+    let report = ops
+        .redrive(&lot, &RedriveRequest::default(), Some(&actor), &NoProgress)
+        .await
+        .expect("redrive");
+    assert_eq!(report.class(ParkedClass::Resume), 1, "{report:#?}");
+    assert_eq!(report.class(ParkedClass::Reopen), 5);
+    assert_eq!(report.action(ParkedAction::Moved), 6);
+    assert_eq!(env.depths(&topology).await.parking, 0);
+    lot.close().await;
+
+    let running = env.start(config.clone(), handler);
+    for id in &ids {
+        env.wait_for_record(CONSUMER, id, "processed", |r| {
+            r.status == InboxStatus::Processed
+        })
+        .await;
+    }
+    wait_for("work queue drained", async || {
+        let d = env.depths(&topology).await;
+        d.work == 0 && d.retry == 0
+    })
+    .await;
+    let stats = running.stop().await;
+    for id in &ids {
+        assert_eq!(env.effects(id).await, 1, "{id} applied exactly once");
+    }
+    assert_eq!(
+        stats.duplicates, 2,
+        "the two extra copies were dropped as duplicates"
+    );
+    let d = env.depths(&topology).await;
+    assert_eq!(
+        (d.work, d.retry, d.parking),
+        (0, 0, 0),
+        "nothing left anywhere"
+    );
+    assert_eq!(audit_actions(&env, &first_id).await, [REOPEN, REDRIVE]);
+    assert_eq!(audit_actions(&env, &second_id).await, [REOPEN]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reopen_and_forced_replay_are_audited_and_refused_without_force() {
+    let env = TestEnv::new().await;
+    let topology = env.topology("invoices");
+    let config = env.config(CONSUMER, topology.clone());
+    env.declare(&config).await;
+    let (handler, plan) = env.handler();
+    plan.for_id("inv-poison", Rule::Retryable);
+    let running = env.start(config.clone(), handler);
+    env.publish(&topology, &invoice("inv-paid")).await;
+    env.publish(&topology, &invoice("inv-poison")).await;
+    env.wait_for_record(CONSUMER, "inv-poison", "poisoned", |r| {
+        r.status == InboxStatus::Poisoned
+    })
+    .await;
+    env.wait_for_record(CONSUMER, "inv-paid", "processed", |r| {
+        r.status == InboxStatus::Processed
+    })
+    .await;
+    let ops = Operations::new(env.pool.clone(), env.schema.clone());
+    let actor = operator();
+
+    // PROCESSED: refused unless forced.
+    assert!(matches!(
+        ops.reopen("inv-paid", CONSUMER, &actor, false).await,
+        Err(OpsError::Refused(_))
+    ));
+    assert!(audit_actions(&env, "inv-paid").await.is_empty());
+    let replay = ops
+        .reopen("inv-paid", CONSUMER, &actor, true)
+        .await
+        .expect("forced replay");
+    assert_eq!(replay.action, FORCED_REPLAY);
+    assert_eq!(replay.previous_status, InboxStatus::Processed);
+    let row = env.record(CONSUMER, "inv-paid").await.expect("row kept");
+    assert_eq!(
+        (row.status, row.processing_attempt),
+        (InboxStatus::RetryableFailed, 0)
+    );
+    // The next delivery applies the effect again: that is what was forced.
+    env.publish(&topology, &invoice("inv-paid")).await;
+    wait_for("replayed effect", async || {
+        env.effects("inv-paid").await == 2
+    })
+    .await;
+
+    // A poisoned row: reopened with a fresh budget, processed on its next delivery.
+    plan.clear_id("inv-poison");
+    let reopened = ops
+        .reopen("inv-poison", CONSUMER, &actor, false)
+        .await
+        .expect("reopen");
+    assert_eq!(
+        (
+            reopened.action,
+            reopened.previous_status,
+            reopened.previous_attempts
+        ),
+        (REOPEN, InboxStatus::Poisoned, 5)
+    );
+    env.publish(&topology, &invoice("inv-poison")).await;
+    env.wait_for_record(CONSUMER, "inv-poison", "processed", |r| {
+        r.status == InboxStatus::Processed
+    })
+    .await;
+    assert_eq!(env.effects("inv-poison").await, 1);
+    running.stop().await;
+
+    // Removed by retention: refused, and the tombstone is named.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".inbox_tombstone (message_id, consumer_name, payload_sha256, \
+           final_status, message_type, first_received_at) \
+         VALUES ('inv-gone', $1, '\\x00', 'PROCESSED', 'InvoiceIssued', now())",
+        env.schema
+    )))
+    .bind(CONSUMER)
+    .execute(&env.pool)
+    .await
+    .expect("tombstone");
+    match ops.reopen("inv-gone", CONSUMER, &actor, true).await {
+        Err(OpsError::Refused(why)) => assert!(why.contains("retention"), "{why}"),
+        other => panic!("refused: {other:?}"),
+    }
+    assert!(matches!(
+        ops.reopen("inv-never", CONSUMER, &actor, false).await,
+        Err(OpsError::Invalid(_))
+    ));
+    // A row recovery set aside for review is reopened like a parked one.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".message_inbox (message_id, consumer_name, message_type, \
+           message_version, status, processing_attempt, payload_sha256) \
+         VALUES ('inv-review', $1, 'InvoiceIssued', 1, 'MANUAL_REVIEW', 3, '\\x00')",
+        env.schema
+    )))
+    .bind(CONSUMER)
+    .execute(&env.pool)
+    .await
+    .expect("row in review");
+    let reviewed = ops
+        .reopen("inv-review", CONSUMER, &actor, false)
+        .await
+        .expect("reopen after review");
+    assert_eq!(
+        (reviewed.action, reviewed.previous_status),
+        (REOPEN, InboxStatus::ManualReview)
+    );
+
+    // The audit trail names everything and cannot be rewritten.
+    assert_eq!(audit_actions(&env, "inv-paid").await, [FORCED_REPLAY]);
+    assert_eq!(audit_actions(&env, "inv-poison").await, [REOPEN]);
+    let shown = ops
+        .show(&rabbit_inbox::ops::ShowQuery {
+            message_id: "inv-poison".into(),
+            consumer: None,
+            topology: None,
+        })
+        .await
+        .expect("show");
+    assert_eq!(shown.audit.len(), 1);
+    assert_eq!(shown.audit[0].details["previous_status"], "POISONED");
+    assert_eq!(shown.audit[0].ticket.as_deref(), Some("INC-7"));
+    let s = env.schema.as_str();
+    for tamper in [
+        format!("UPDATE \"{s}\".inbox_audit SET reason = 'nothing happened'"),
+        format!("DELETE FROM \"{s}\".inbox_audit"),
+        format!("TRUNCATE \"{s}\".inbox_audit"),
+    ] {
+        let err = sqlx::query(sqlx::AssertSqlSafe(tamper.clone()))
+            .execute(&env.pool)
+            .await
+            .expect_err("audit rows are append-only");
+        assert!(err.to_string().contains("append-only"), "{tamper}: {err}");
+    }
+    assert_eq!(env.scalar("SELECT count(*) FROM {s}.inbox_audit").await, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redriven_copy_is_the_producers_message_without_reason_headers() {
+    let env = TestEnv::new().await;
+    let topology = env.topology("invoices");
+    let config = env.config(CONSUMER, topology.clone());
+    env.declare(&config).await;
+    let (handler, plan) = env.handler();
+    plan.for_id("inv-ttl", Rule::Permanent);
+    let running = env.start(config.clone(), handler);
+    let mut m = invoice("inv-ttl");
+    m.headers.insert("x-tenant-id".into(), json!("acme"));
+    env.broker
+        .publish_batch_expiring("", &[(&topology.queue, &m, Some("600000"))])
+        .await
+        .expect("published with a TTL");
+    wait_for("parked", async || env.depths(&topology).await.parking == 1).await;
+    running.stop().await;
+
+    let ops = Operations::new(env.pool.clone(), env.schema.clone());
+    let lot = ParkingLot::connect(&amqp_url(), &topology.queue, &topology.parking_queue)
+        .await
+        .expect("parking lot");
+    let report = ops
+        .redrive(
+            &lot,
+            &RedriveRequest::default(),
+            Some(&operator()),
+            &NoProgress,
+        )
+        .await
+        .expect("redrive");
+    assert_eq!(report.action(ParkedAction::Moved), 1);
+    lot.close().await;
+    let moved = env
+        .broker
+        .take_one(&topology.queue)
+        .await
+        .expect("basic.get")
+        .expect("the message is in the work queue");
+    assert_eq!(moved.body, m.body);
+    assert_eq!(moved.message_id.as_deref(), Some("inv-ttl"));
+    assert_eq!(util::header(&moved, "x-tenant-id"), Some("acme"));
+    for gone in [
+        parking_headers::STATUS,
+        parking_headers::ERROR_CODE,
+        parking_headers::ERROR,
+        parking_headers::CONSUMER,
+        parking_headers::INBOX_KEY,
+        parking_headers::PARKED_AT,
+        // Back in the `expiration` property.
+        parking_headers::ORIGINAL_EXPIRATION,
+    ] {
+        assert!(
+            !moved.headers.contains_key(gone),
+            "{gone} in {:?}",
+            moved.headers
+        );
+    }
+    assert_eq!(
+        util::header(&moved, parking_headers::ORIGINAL_ROUTING_KEY),
+        Some(topology.queue.as_str()),
+        "where it first arrived is kept"
+    );
+    assert_eq!(env.depths(&topology).await.parking, 0);
+}

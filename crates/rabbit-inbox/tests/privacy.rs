@@ -1,0 +1,349 @@
+//! Payload privacy against the real servers: per-type storage, redaction before storing,
+//! encrypted payloads that round-trip through key rotation, crypto-shredding that leaves dedup
+//! working, and a consumer running under its least-privilege role.
+
+#[allow(dead_code)]
+mod util;
+
+use std::{sync::Arc, time::Duration};
+
+use rabbit_inbox::{
+    InboxStatus, OutgoingMessage, PayloadStorage, RetentionPolicy, TENANT_HEADER, Topology,
+    ops::{CleanupRequest, NoProgress, Operations},
+    privacy::{Keyring, PayloadPrivacy, PrivacyError, REDACTED, open_payload},
+    roles::{RoleKind, grant_statements},
+};
+use serde_json::json;
+use sqlx::{AssertSqlSafe, postgres::PgPoolOptions};
+use util::{Rule, TestEnv, database_url, message, random_hex, wait_for};
+
+fn tenant_message(id: &str, tenant: &str, body: serde_json::Value) -> OutgoingMessage {
+    let mut m = message(Some(id), "Payment", &body);
+    m.headers.insert(TENANT_HEADER.into(), json!(tenant));
+    m
+}
+
+async fn stored(env: &TestEnv, consumer: &str, id: &str) -> rabbit_inbox::privacy::StoredPayload {
+    let mut conn = env.pool.acquire().await.expect("connection");
+    env.store
+        .find_stored_payload(&mut conn, consumer, id)
+        .await
+        .expect("readable")
+        .expect("payload kept")
+}
+
+#[tokio::test]
+async fn encrypted_payloads_round_trip_across_rotation_and_shredding_keeps_dedup() {
+    let env = TestEnv::new().await;
+    let topology = env.topology("payments");
+    let keyring = Arc::new(Keyring::new());
+    keyring.add("main-1", [11; 32]).expect("key");
+    keyring
+        .add_tenant_key("acme", "acme-1", [22; 32])
+        .expect("tenant key");
+    let mut config = env.config("svc", topology.clone());
+    config.payload_storage = PayloadStorage::Always;
+    config.privacy = PayloadPrivacy::default().encrypt_with(keyring.clone());
+    env.declare(&config).await;
+    let (handler, _) = env.handler();
+    let running = env.start(config, handler);
+
+    let body = |n: i64| json!({ "card": "4111-1111", "n": n });
+    env.publish(&topology, &tenant_message("z-1", "zeta", body(1)))
+        .await;
+    env.publish(&topology, &tenant_message("a-1", "acme", body(2)))
+        .await;
+    env.wait_for_record("svc", "a-1", "processed", |r| {
+        r.status == InboxStatus::Processed
+    })
+    .await;
+    env.wait_for_record("svc", "z-1", "processed", |r| {
+        r.status == InboxStatus::Processed
+    })
+    .await;
+
+    let zeta = stored(&env, "svc", "z-1").await;
+    assert_eq!(zeta.key_id.as_deref(), Some("main-1"));
+    assert!(
+        !zeta.bytes.windows(4).any(|w| w == b"4111"),
+        "stored encrypted"
+    );
+    let opened = open_payload(Some(&keyring), &zeta, "svc", "z-1").expect("opens");
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&opened).expect("json"),
+        body(1)
+    );
+    assert!(matches!(
+        open_payload(None, &zeta, "svc", "z-1"),
+        Err(PrivacyError::NoKeyring { .. })
+    ));
+
+    // Rotation: new writes use main-2, main-1's payloads stay readable.
+    keyring.add("main-2", [33; 32]).expect("key");
+    keyring.activate("main-2").expect("active");
+    env.publish(&topology, &tenant_message("z-2", "zeta", body(3)))
+        .await;
+    env.wait_for_record("svc", "z-2", "processed", |r| {
+        r.status == InboxStatus::Processed
+    })
+    .await;
+    let newer = stored(&env, "svc", "z-2").await;
+    assert_eq!(newer.key_id.as_deref(), Some("main-2"));
+    assert!(open_payload(Some(&keyring), &newer, "svc", "z-2").is_ok());
+    assert!(open_payload(Some(&keyring), &zeta, "svc", "z-1").is_ok());
+
+    // Shredding acme: its payload is gone for good, a duplicate is still suppressed.
+    let acme = stored(&env, "svc", "a-1").await;
+    assert_eq!(acme.key_id.as_deref(), Some("acme-1"));
+    keyring.destroy("acme-1");
+    let err = open_payload(Some(&keyring), &acme, "svc", "a-1").expect_err("shredded");
+    assert!(err.to_string().contains("key destroyed"), "{err}");
+    let before = running.snapshot().duplicates;
+    env.publish(&topology, &tenant_message("a-1", "acme", body(2)))
+        .await;
+    wait_for("duplicate suppressed", async || {
+        running.snapshot().duplicates > before
+    })
+    .await;
+    assert_eq!(env.effects("a-1").await, 1, "the effect ran once");
+    // A new acme message is processed, with no payload (never clear text, never another key).
+    env.publish(&topology, &tenant_message("a-2", "acme", body(4)))
+        .await;
+    env.wait_for_record("svc", "a-2", "processed", |r| {
+        r.status == InboxStatus::Processed
+    })
+    .await;
+    assert_eq!(
+        env.scalar(
+            "SELECT count(*) FROM {s}.message_inbox WHERE message_id = 'a-2' \
+             AND payload IS NULL AND payload_key_id IS NULL"
+        )
+        .await,
+        1
+    );
+    running.stop().await;
+}
+
+#[tokio::test]
+async fn storage_per_type_and_redaction_before_anything_is_stored() {
+    let env = TestEnv::new().await;
+    let topology = env.topology("mixed");
+    let mut config = env.config("svc", topology.clone());
+    config.retry.max_attempts = 1;
+    config.payload_storage = PayloadStorage::FailedOnly;
+    config.privacy = PayloadPrivacy::default()
+        .store("Audit", PayloadStorage::Always)
+        .store("Secret", PayloadStorage::Never)
+        .redact("*", &["/email"])
+        .redact("Card", &["/card/number"]);
+    env.declare(&config).await;
+    let (handler, plan) = env.handler();
+    plan.for_type("Card", Rule::Permanent);
+    plan.for_type("Secret", Rule::Permanent);
+    let running = env.start(config, handler);
+
+    let card = json!({ "email": "a@example.com", "card": { "number": "4111", "exp": "12/30" } });
+    env.publish(&topology, &message(Some("c-1"), "Card", &card))
+        .await;
+    env.publish(
+        &topology,
+        &message(Some("s-1"), "Secret", &json!({ "ssn": "123" })),
+    )
+    .await;
+    env.publish(
+        &topology,
+        &message(
+            Some("a-1"),
+            "Audit",
+            &json!({ "email": "b@example.com", "x": 1 }),
+        ),
+    )
+    .await;
+    env.publish(
+        &topology,
+        &message(Some("p-1"), "Plain", &json!({ "x": 2 })),
+    )
+    .await;
+    for (id, status) in [
+        ("c-1", InboxStatus::PermanentFailed),
+        ("s-1", InboxStatus::PermanentFailed),
+        ("a-1", InboxStatus::Processed),
+        ("p-1", InboxStatus::Processed),
+    ] {
+        env.wait_for_record("svc", id, "settled", |r| r.status == status)
+            .await;
+    }
+    running.stop().await;
+
+    // Failed Card: kept, with the configured fields redacted, hash over the original body.
+    let kept = stored(&env, "svc", "c-1").await;
+    let doc: serde_json::Value = serde_json::from_slice(&kept.bytes).expect("json");
+    assert_eq!(doc["email"], REDACTED);
+    assert_eq!(doc["card"]["number"], REDACTED);
+    assert_eq!(doc["card"]["exp"], "12/30");
+    let record = env.record("svc", "c-1").await.expect("row");
+    assert_eq!(
+        record.payload_sha256,
+        util::sha256(rabbit_inbox::canonical_json(&card).as_bytes())
+    );
+    // Secret: never stored, not even on failure. Plain: processed under FailedOnly, not kept.
+    // Audit: always kept, redacted by the `*` rule.
+    assert_eq!(
+        env.scalar(
+            "SELECT count(*) FROM {s}.message_inbox WHERE payload IS NULL \
+             AND message_id IN ('s-1', 'p-1')"
+        )
+        .await,
+        2
+    );
+    let audit: serde_json::Value =
+        serde_json::from_slice(&stored(&env, "svc", "a-1").await.bytes).expect("json");
+    assert_eq!(audit, json!({ "email": REDACTED, "x": 1 }));
+}
+
+/// A LOGIN role with a random name, dropped (with its grants) when this goes away.
+struct TestRole {
+    name: String,
+}
+
+impl Drop for TestRole {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            runtime.block_on(async {
+                let Ok(pool) = PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&database_url())
+                    .await
+                else {
+                    eprintln!("cleanup: cannot drop role {name}");
+                    return;
+                };
+                let sql = format!("DROP OWNED BY \"{name}\"; DROP ROLE IF EXISTS \"{name}\"");
+                if let Err(e) = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&pool).await {
+                    eprintln!("cleanup: dropping role {name}: {e}");
+                }
+            });
+        })
+        .join();
+    }
+}
+
+#[tokio::test]
+async fn the_consumer_works_under_its_least_privilege_role() {
+    let env = TestEnv::new().await;
+    let role = TestRole {
+        name: format!("t_role_{}", random_hex()),
+    };
+    let s = &env.schema;
+    let mut setup = vec![format!("CREATE ROLE \"{}\" LOGIN", role.name)];
+    setup.extend(grant_statements(s, RoleKind::Consumer, &role.name));
+    // The handler's own tables are the application's to grant.
+    setup.push(format!(
+        "GRANT SELECT, INSERT, UPDATE ON \"{s}\".effects, \"{s}\".handler_calls, \
+         \"{s}\".external_ledger TO \"{0}\"; \
+         GRANT USAGE ON ALL SEQUENCES IN SCHEMA \"{s}\" TO \"{0}\"",
+        role.name
+    ));
+    for sql in setup {
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&env.pool)
+            .await
+            .expect("role set up");
+    }
+    let options: sqlx::postgres::PgConnectOptions = database_url().parse().expect("DATABASE_URL");
+    let role_pool = PgPoolOptions::new()
+        .max_connections(6)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(options.username(&role.name))
+        .await
+        .expect("the role logs in");
+
+    let topology = env.topology("least");
+    let config = env.config("svc", topology.clone());
+    env.declare(&config).await;
+    let (handler, plan) = env.handler();
+    plan.for_id("retried", Rule::FailAttempts(1));
+    plan.for_id("parked", Rule::Permanent);
+    let running = env.start_with_pool(role_pool.clone(), config, handler);
+    for i in 0..20 {
+        env.publish(&topology, &util::thing(&format!("m-{i}"), i))
+            .await;
+    }
+    env.publish(&topology, &util::thing("retried", 1)).await;
+    env.publish(&topology, &util::thing("parked", 1)).await;
+    env.publish(&topology, &util::thing("m-3", 3)).await;
+    env.wait_for_record("svc", "retried", "processed after a retry", |r| {
+        r.status == InboxStatus::Processed && r.processing_attempt == 2
+    })
+    .await;
+    env.wait_for_record("svc", "parked", "parked", |r| {
+        r.status == InboxStatus::PermanentFailed
+    })
+    .await;
+    wait_for("all processed", async || {
+        env.scalar("SELECT count(*) FROM {s}.message_inbox WHERE status = 'PROCESSED'")
+            .await
+            == 21
+    })
+    .await;
+    wait_for("the duplicate is suppressed", async || {
+        running.snapshot().duplicates == 1
+    })
+    .await;
+    running.stop().await;
+    assert_eq!(env.scalar("SELECT count(*) FROM {s}.effects").await, 21);
+
+    // What the role may not do.
+    for forbidden in [
+        format!("DELETE FROM \"{s}\".message_inbox"),
+        format!("DELETE FROM \"{s}\".inbox_tombstone"),
+        format!("CREATE TABLE \"{s}\".sneaky (x int)"),
+        format!("ALTER TABLE \"{s}\".message_inbox ADD COLUMN x int"),
+        format!("UPDATE \"{s}\".inbox_audit SET actor = 'x'"),
+    ] {
+        let err = sqlx::raw_sql(AssertSqlSafe(forbidden.clone()))
+            .execute(&role_pool)
+            .await
+            .expect_err("refused");
+        assert!(
+            err.to_string().contains("permission denied")
+                || err.to_string().contains("must be owner"),
+            "{forbidden}: {err}"
+        );
+    }
+
+    // With the retention grants too, the same role cleans up.
+    for sql in grant_statements(s, RoleKind::Retention, &role.name) {
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&env.pool)
+            .await
+            .expect("granted");
+    }
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE \"{s}\".message_inbox SET processed_at = processed_at - interval '40 days' \
+         WHERE message_id LIKE 'm-%'"
+    )))
+    .execute(&env.pool)
+    .await
+    .expect("aged");
+    let report = Operations::new(role_pool.clone(), s.clone())
+        .cleanup(
+            &CleanupRequest::new(
+                "svc",
+                RetentionPolicy::default(),
+                env.config("svc", Topology::new("unused")).retry,
+            ),
+            &NoProgress,
+        )
+        .await
+        .expect("cleanup under the role");
+    assert_eq!(report.removed_processed, 20);
+    role_pool.close().await;
+}
