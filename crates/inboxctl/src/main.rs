@@ -220,6 +220,13 @@ pub(crate) struct ServiceArgs {
     /// in all, the last tier repeating. Every instance and tool on the queue must agree.
     #[arg(long, value_parser = when::delays)]
     pub(crate) retry_delays: Option<when::Delays>,
+    #[command(flatten)]
+    pub(crate) queue_type: QueueTypeArgs,
+}
+
+/// Classic or quorum queues, for `consume` and `consume-shipping`.
+#[derive(Args, Clone)]
+pub(crate) struct QueueTypeArgs {
     /// Declare quorum queues (replicated across the nodes of a cluster) instead of classic
     /// ones. Every instance and tool on the queue must agree.
     #[arg(long)]
@@ -228,6 +235,14 @@ pub(crate) struct ServiceArgs {
     /// prefetch [default with --quorum: max attempts + prefetch + 100]
     #[arg(long, requires = "quorum")]
     pub(crate) delivery_limit: Option<u32>,
+}
+
+impl QueueTypeArgs {
+    fn apply(&self, config: &mut rabbit_inbox::ConsumerConfig) {
+        if self.quorum {
+            config.use_quorum_queues(self.delivery_limit);
+        }
+    }
 }
 
 /// `inboxctl consume`.
@@ -257,6 +272,8 @@ pub(crate) struct ShippingArgs {
     /// Exchange order-service emits to.
     #[arg(long, default_value = shipping_service::EVENTS_EXCHANGE)]
     exchange: String,
+    #[command(flatten)]
+    queue_type: QueueTypeArgs,
 }
 
 impl ServiceArgs {
@@ -269,9 +286,7 @@ impl ServiceArgs {
         if let Some(delays) = &self.retry_delays {
             config.retry.delays = delays.0.clone();
         }
-        if self.quorum {
-            config.use_quorum_queues(self.delivery_limit);
-        }
+        self.queue_type.apply(&mut config);
         config.validate()?;
         Ok(config)
     }
@@ -404,7 +419,9 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
         }
         Command::ConsumeShipping(args) => {
             let schema = SchemaName::new(&args.schema)?;
-            let config = shipping_service::config(schema.clone(), &args.queue, &args.exchange);
+            let mut config = shipping_service::config(schema.clone(), &args.queue, &args.exchange);
+            args.queue_type.apply(&mut config);
+            config.validate()?;
             let pool =
                 connect::postgres(&servers.database_url, connect::pool_size(config.lanes)).await?;
             connect::rabbitmq(&servers.amqp_url).await?.close().await;
