@@ -2,7 +2,9 @@
 //! deliberately broken one (a primary key without consumer_name, a work queue without its
 //! dead-letter route, retention shorter than the replay window, an orphaned parked message, a
 //! PROCESSED message in the parking lot, a parked row whose copy is gone, lost retries,
-//! payloads the policy does not allow) fails, or warns, on exactly the check that covers it.
+//! payloads the policy does not allow, a quorum work queue with at-most-once dead-lettering and
+//! a delivery limit inside the retry budget) fails, or warns, on exactly the check that covers
+//! it.
 //! The broker topology is read through the management API (port 15672).
 
 // Shared with the other integration tests; not every helper is used here.
@@ -265,6 +267,53 @@ async fn a_work_queue_without_dead_lettering_fails_unless_a_policy_sets_it() {
         Severity::Pass,
         "{report:#?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_queues_pass_and_fail_on_at_most_once_dead_lettering_or_a_low_delivery_limit() {
+    let env = TestEnv::new().await;
+    let mut config = env.config(CONSUMER, env.topology("quorum-invoices"));
+    config.use_quorum_queues(None);
+    run_consumer(&env, &config, &["inv-q1"], &["inv-q-bad"]).await;
+
+    let report = doctor(&env, &request(&config)).await;
+    assert!(failing(&report).is_empty(), "{report:#?}");
+    for id in [ids::WORK_QUEUE, ids::RETRY_TIERS, ids::PARKING_LOT] {
+        assert_eq!(severity(&report, id), Severity::Pass, "{id}: {report:#?}");
+    }
+
+    // The work queue declared again by hand as a quorum queue with the default (at-most-once)
+    // dead-letter strategy and a delivery limit the retry budget plus the prefetch reaches.
+    let queue = config.topology.queue.clone();
+    let first_tier = config.topology.retry_tier_queues(&config.retry)[0].clone();
+    management(
+        reqwest::Method::DELETE,
+        &format!("/api/queues/%2F/{queue}"),
+        None,
+    )
+    .await;
+    management(
+        reqwest::Method::PUT,
+        &format!("/api/queues/%2F/{queue}"),
+        Some(json!({ "durable": true, "arguments": {
+            "x-queue-type": "quorum",
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": first_tier,
+            "x-delivery-limit": 10,
+        } })),
+    )
+    .await;
+
+    let report = doctor(&env, &request(&config)).await;
+    assert_eq!(failing(&report), [ids::WORK_QUEUE], "{report:#?}");
+    let check = report.check(ids::WORK_QUEUE).expect("ran");
+    let found = format!(
+        "{} {}",
+        check.summary,
+        check.detail.as_deref().unwrap_or("")
+    );
+    assert!(found.contains("at-least-once"), "{check:?}");
+    assert!(found.contains("delivery limit 10"), "{check:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
