@@ -188,7 +188,9 @@ async function showMessage(consumer, id) {
     field("correlation id", row.correlation_id);
     const p = row.payload;
     $("detail-payload").textContent = !p ? "(not kept)"
-      : p.encoding === "utf8" ? p.data : "base64:" + p.data;
+      : p.encoding === "utf8" ? p.data
+      : p.encoding === "sealed" ? `(encrypted with key ${p.data.key_id}, not shown: ${p.data.reason})`
+      : "base64:" + p.data;
   } else {
     for (const t of report.tombstones) {
       field("tombstone", `${t.final_status} (${t.message_type}), removed ${when(t.removed_at)}`);

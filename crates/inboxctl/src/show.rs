@@ -54,6 +54,9 @@ fn render(r: &ShowReport) -> comfy_table::Table {
             None => "(not kept)".to_owned(),
             Some(Payload::Utf8(text)) => text.clone(),
             Some(Payload::Base64(b)) => format!("base64:{b}"),
+            Some(Payload::Sealed { key_id, reason }) => {
+                format!("(encrypted with key {key_id}, not shown: {reason})")
+            }
         };
         let opt = |v: &Option<String>| v.clone().unwrap_or_default();
         for (k, v) in [

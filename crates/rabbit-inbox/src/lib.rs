@@ -96,6 +96,6 @@ pub use schema::{MIGRATOR, SchemaLock, SchemaName, drop_schema, migrate};
 pub use stats::{ConsumerStats, StatsSnapshot};
 pub use store::{
     Claim, Failure, InboxRecord, InboxStatus, InboxStore, MAX_ERROR_MESSAGE_CHARS, OpenRowsSample,
-    Redelivery,
+    Redelivery, RowPayload,
 };
 pub use telemetry::TelemetryConfig;

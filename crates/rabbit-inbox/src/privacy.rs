@@ -24,7 +24,9 @@ use aes_gcm::{
     aead::{Aead, AeadCore, KeyInit, OsRng, Payload},
 };
 
-use crate::{config::PayloadStorage, envelope::Envelope};
+use sha2::{Digest, Sha256};
+
+use crate::{canonical_json::canonical_sha256, config::PayloadStorage, envelope::Envelope};
 
 /// Value written in place of a redacted JSON field.
 pub const REDACTED: &str = "[redacted]";
@@ -208,6 +210,15 @@ pub struct StoredPayload {
     pub bytes: Vec<u8>,
     /// The `payload_key_id` column: `None` for a payload stored in clear.
     pub key_id: Option<String>,
+}
+
+/// Whether `body` is the message whose dedup hash is `recorded` (over its canonical JSON or
+/// its raw bytes, as the consumer hashed it), and not a redacted copy of it.
+pub(crate) fn is_original_body(body: &[u8], recorded: &[u8]) -> bool {
+    let raw: [u8; 32] = Sha256::digest(body).into();
+    recorded == raw
+        || serde_json::from_slice::<serde_json::Value>(body)
+            .is_ok_and(|v| canonical_sha256(&v) == recorded)
 }
 
 /// The body a stored payload holds (redacted as configured when it was stored): decrypted when

@@ -89,6 +89,17 @@ impl FromStr for InboxStatus {
     }
 }
 
+/// What a row kept of its message, as [`InboxStore::find_payload`] reads it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowPayload {
+    /// The stored body, if kept (redacted as configured; sealed when encryption is on).
+    pub stored: Option<StoredPayload>,
+    /// The message's headers.
+    pub headers: serde_json::Value,
+    /// The dedup hash of the original body.
+    pub payload_sha256: Vec<u8>,
+}
+
 /// One inbox row (without payload and headers, which [`InboxStore::find_payload`] reads).
 #[derive(Clone, Debug, PartialEq)]
 pub struct InboxRecord {
@@ -301,7 +312,8 @@ impl Sql {
                 "SELECT {RECORD_COLUMNS} FROM {t} WHERE consumer_name = $1 AND message_id = $2"
             )),
             find_payload: audited(format!(
-                "SELECT payload, headers FROM {t} WHERE consumer_name = $1 AND message_id = $2"
+                "SELECT payload, payload_key_id, headers, payload_sha256 FROM {t} \
+                 WHERE consumer_name = $1 AND message_id = $2"
             )),
             find_stored_payload: audited(format!(
                 "SELECT payload, payload_key_id FROM {t} \
@@ -817,22 +829,30 @@ impl InboxStore {
         row.as_ref().map(record_from_row).transpose()
     }
 
-    /// Reads the stored body (if kept; sealed when encryption is on, see
-    /// [`InboxStore::find_stored_payload`]) and headers of one row.
+    /// Reads what one row kept of its message: the stored body as stored (maybe redacted, maybe
+    /// sealed), the headers and the body's dedup hash. `None`: no row.
     pub async fn find_payload(
         &self,
         conn: &mut PgConnection,
         consumer: &str,
         message_id: &str,
-    ) -> Result<Option<(Option<Vec<u8>>, serde_json::Value)>, StoreError> {
+    ) -> Result<Option<RowPayload>, StoreError> {
         let row = sqlx::query(self.sql.find_payload.clone())
             .persistent(false)
             .bind(consumer)
             .bind(message_id)
             .fetch_optional(conn)
             .await?;
-        row.map(|r| Ok((r.try_get("payload")?, r.try_get("headers")?)))
-            .transpose()
+        row.map(|r| {
+            let bytes: Option<Vec<u8>> = r.try_get("payload")?;
+            let key_id: Option<String> = r.try_get("payload_key_id")?;
+            Ok(RowPayload {
+                stored: bytes.map(|bytes| StoredPayload { bytes, key_id }),
+                headers: r.try_get("headers")?,
+                payload_sha256: r.try_get("payload_sha256")?,
+            })
+        })
+        .transpose()
     }
 
     /// Reads the stored payload of one row as it is stored (maybe redacted, maybe sealed);

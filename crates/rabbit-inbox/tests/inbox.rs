@@ -64,13 +64,13 @@ async fn first_delivery_inserts_inbox_row_and_applies_effect() {
     assert_eq!(body.as_bytes(), &msg.body[..]);
     // The default payload storage keeps no body for processed messages.
     let mut conn = env.pool.acquire().await.expect("connection");
-    let (payload, _headers) = env
+    let kept = env
         .store
         .find_payload(&mut conn, "svc", "m1")
         .await
         .expect("read payload")
         .expect("row exists");
-    assert_eq!(payload, None);
+    assert_eq!(kept.stored, None);
     assert_eq!(stats.received, 1);
     assert_eq!(stats.processed, 1);
     assert_eq!(stats.duplicates, 0);
@@ -195,12 +195,13 @@ async fn business_failure_does_not_mark_processed() {
     );
     // The failed row keeps the body for operators.
     let mut conn = env.pool.acquire().await.expect("connection");
-    let (payload, _) = env
+    let kept = env
         .store
         .find_payload(&mut conn, "svc", "m1")
         .await
         .expect("read")
         .expect("row");
+    let payload = kept.stored.map(|p| p.bytes);
     assert_eq!(payload.as_deref(), Some(&thing("m1", 1).body[..]));
     drop(conn);
 
@@ -849,12 +850,14 @@ async fn invalid_messages_are_recorded_and_parked() {
         assert_eq!(row.processing_attempt, 1, "{code}");
         assert_eq!(row.message_version, *version, "{code}");
         assert_eq!(row.payload_sha256, sha256(&m.body), "{code}");
-        let (payload, _) = env
+        let payload = env
             .store
             .find_payload(&mut conn, "svc", &key)
             .await
             .expect("read")
-            .expect("row");
+            .expect("row")
+            .stored
+            .map(|p| p.bytes);
         if *code == "payload_too_large" {
             assert_eq!(payload, None, "an oversized body is not stored");
         } else {

@@ -1,22 +1,24 @@
 //! Recovery of lost retries against the real servers: a retry copy lost with its deleted tier
 //! queue is found and republished (effect once), a late copy meeting the republished one
 //! applies the effect once, the manual-review policy sets rows aside (a late copy is parked),
-//! a row without a stored payload goes to manual review, and the consumer's own timer
-//! recovers on its own.
+//! a row without a stored payload goes to manual review, the consumer's own timer recovers on
+//! its own, and an encrypted payload is republished only when opened and a redacted one never.
 
 #[allow(dead_code)]
 mod util;
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use rabbit_inbox::{
     ConsumerConfig, InboxStatus, PayloadStorage, RetryPolicy, Topology,
     ops::{
-        Actor, NoProgress, Operations, RecoverRequest, RecoveryAction, RecoveryCause,
-        RecoveryConfig, RecoveryPolicy, RecoveryReport,
+        Actor, NoProgress, Operations, Payload, RecoverRequest, RecoveryAction, RecoveryCause,
+        RecoveryConfig, RecoveryPolicy, RecoveryReport, ShowQuery,
     },
+    privacy::{Keyring, PayloadPrivacy},
 };
-use util::{Rule, TestEnv, header, thing, wait_for};
+use serde_json::json;
+use util::{Rule, TestEnv, header, message, thing, wait_for};
 
 /// One retry tier of 3 s: long enough to delete it while a copy waits in it.
 fn slow_retry() -> RetryPolicy {
@@ -446,4 +448,117 @@ async fn a_processing_row_left_by_a_crashed_custom_loop_is_recovered() {
         .scalar("SELECT coalesce(fencing_token, 0) FROM {s}.message_inbox WHERE message_id = 'm6'")
         .await;
     assert_eq!(token, 1, "recovery fenced off the dead owner");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sealed_and_redacted_payloads_are_republished_only_as_the_original_message() {
+    let env = TestEnv::new().await;
+    let (mut config, topology, _tiers) = config(&env, "sealed");
+    let keyring = Arc::new(Keyring::new());
+    keyring.add("main-1", [7; 32]).expect("key");
+    config.privacy = PayloadPrivacy::default()
+        .redact("Card", &["/card"])
+        .encrypt_with(keyring.clone());
+    env.declare(&config).await;
+    let (handler, plan) = env.handler();
+    plan.for_id("s1", Rule::FailAttempts(1));
+    plan.for_id("r1", Rule::FailAttempts(1));
+    let running = env.start(config.clone(), handler);
+    let card = message(Some("r1"), "Card", &json!({ "card": "4111-1111", "n": 1 }));
+    env.publish(&topology, &thing("s1", 1)).await;
+    env.publish(&topology, &card).await;
+    for id in ["s1", "r1"] {
+        env.wait_for_record("recover-svc", id, "failed once", |r| {
+            r.status == InboxStatus::RetryableFailed
+        })
+        .await;
+    }
+    wait_for("both retry copies in their tier", async || {
+        env.broker
+            .queue_depths(&topology, &config.retry)
+            .await
+            .is_ok_and(|d| d.retry == 2)
+    })
+    .await;
+    delete_queue(&topology.retry_tier_queues(&config.retry)[0]).await;
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let lost = request(&config, RecoveryPolicy::Retry, Duration::from_millis(100));
+    let show = async |ops: &Operations, id: &str| {
+        ops.show(&ShowQuery {
+            message_id: id.into(),
+            consumer: None,
+            topology: None,
+        })
+        .await
+        .expect("show")
+        .rows
+        .remove(0)
+        .payload
+        .expect("payload kept")
+    };
+
+    // Without the keyring the sealed payloads stay sealed: not republished (the ciphertext is
+    // not the message), rows unchanged for a recovery that holds the key.
+    let keyless = Operations::new(env.pool.clone(), env.schema.clone());
+    let report = keyless
+        .recover(&env.broker, &actor(), &lost, &NoProgress)
+        .await
+        .expect("recovery runs");
+    assert_eq!((report.found, report.failed), (2, 2), "{report:?}");
+    for m in &report.messages {
+        assert_eq!(m.action, RecoveryAction::Failed, "{m:?}");
+        let detail = m.detail.as_deref().unwrap_or_default();
+        assert!(detail.contains("keyring"), "{detail}");
+        let row = env.record("recover-svc", &m.message_id).await.expect("row");
+        assert_eq!(row.status, InboxStatus::RetryableFailed);
+    }
+    match show(&keyless, "s1").await {
+        Payload::Sealed { key_id, .. } => assert_eq!(key_id, "main-1"),
+        other => panic!("shown without its key: {other:?}"),
+    }
+    assert_eq!(audit_count(&env, "recover_republish", "s1").await, 0);
+
+    // With it: the intact one is republished and processed once; the redacted one is not the
+    // message any more, so it goes to manual review instead of applying other data.
+    let keyed = Operations::new(env.pool.clone(), env.schema.clone()).with_keyring(keyring);
+    match show(&keyed, "s1").await {
+        Payload::Utf8(text) => assert!(text.contains("\"s1\""), "{text}"),
+        other => panic!("not opened: {other:?}"),
+    }
+    match show(&keyed, "r1").await {
+        Payload::Utf8(text) => assert!(!text.contains("4111"), "{text}"),
+        other => panic!("not opened: {other:?}"),
+    }
+    let report = keyed
+        .recover(&env.broker, &actor(), &lost, &NoProgress)
+        .await
+        .expect("recovery runs");
+    assert_eq!(
+        (report.found, report.republished, report.manual_review),
+        (2, 1, 1),
+        "{report:?}"
+    );
+    let redacted = report
+        .messages
+        .iter()
+        .find(|m| m.message_id == "r1")
+        .expect("r1 found");
+    assert_eq!(redacted.action, RecoveryAction::ManualReview);
+    assert!(
+        redacted
+            .detail
+            .as_deref()
+            .unwrap_or_default()
+            .contains("redacted"),
+        "{redacted:?}"
+    );
+    env.wait_for_record("recover-svc", "s1", "processed", |r| {
+        r.status == InboxStatus::Processed
+    })
+    .await;
+    assert_eq!(env.effects("s1").await, 1);
+    let row = env.record("recover-svc", "r1").await.expect("row");
+    assert_eq!(row.status, InboxStatus::ManualReview);
+    assert_eq!(env.effects("r1").await, 0, "a redacted copy never ran");
+    running.stop().await;
 }

@@ -16,7 +16,10 @@ use sqlx::{AssertSqlSafe, Row, postgres::PgRow};
 
 use super::{Operations, OpsError};
 use crate::{
-    InboxStatus, QueueDepth, RetryPolicy, Topology, broker::ParkingLot, error::StoreError,
+    InboxStatus, QueueDepth, RetryPolicy, Topology,
+    broker::ParkingLot,
+    error::StoreError,
+    privacy::{StoredPayload, open_payload},
 };
 
 /// Statuses of rows that are not done: the ones `list` shows unless told otherwise.
@@ -228,7 +231,8 @@ pub struct ShowQuery {
     pub topology: Option<(Topology, RetryPolicy)>,
 }
 
-/// A stored body, readable: as text when it is UTF-8, else base64.
+/// A stored body, readable: as text when it is UTF-8, else base64; or, when it is encrypted
+/// and could not be opened, which key sealed it and why it stayed sealed.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "encoding", content = "data", rename_all = "snake_case")]
 pub enum Payload {
@@ -236,6 +240,13 @@ pub enum Payload {
     Utf8(String),
     /// Anything else.
     Base64(String),
+    /// Encrypted, not opened (no keyring given, key missing or destroyed).
+    Sealed {
+        /// The key that sealed it.
+        key_id: String,
+        /// Why it was not opened.
+        reason: String,
+    },
 }
 
 impl Payload {
@@ -649,6 +660,28 @@ impl Operations {
         Ok(ListPage { rows, next_cursor })
     }
 
+    /// A row's stored payload, opened with the keyring when it is sealed.
+    fn readable_payload(&self, row: &PgRow) -> Result<Option<Payload>, OpsError> {
+        let Some(bytes) = row.try_get::<Option<Vec<u8>>, _>("payload")? else {
+            return Ok(None);
+        };
+        let stored = StoredPayload {
+            bytes,
+            key_id: row.try_get("payload_key_id")?,
+        };
+        let consumer: String = row.try_get("consumer_name")?;
+        let message_id: String = row.try_get("message_id")?;
+        Ok(Some(
+            match open_payload(self.keyring.as_deref(), &stored, &consumer, &message_id) {
+                Ok(body) => Payload::of(body),
+                Err(e) => Payload::Sealed {
+                    key_id: stored.key_id.unwrap_or_default(),
+                    reason: e.to_string(),
+                },
+            },
+        ))
+    }
+
     /// One message: its row for every consumer that has it (or one), its payload if kept,
     /// tombstones, the audit trail, and where it is on the broker.
     pub async fn show(&self, query: &ShowQuery) -> Result<ShowReport, OpsError> {
@@ -694,9 +727,7 @@ impl Operations {
                     trace_id: row.try_get("trace_id")?,
                     tenant_id: row.try_get("tenant_id")?,
                     headers: row.try_get("headers")?,
-                    payload: row
-                        .try_get::<Option<Vec<u8>>, _>("payload")?
-                        .map(Payload::of),
+                    payload: self.readable_payload(row)?,
                     location: BrokerLocation::of(status, attempt, query.topology.as_ref()),
                 })
             })

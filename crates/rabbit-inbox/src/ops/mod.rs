@@ -29,9 +29,12 @@ pub use redrive::{
 };
 pub use reopen::{FORCED_REPLAY, REOPEN, Reopened};
 pub use retention::{CleanupReport, CleanupRequest};
+
+use std::sync::Arc;
+
 use sqlx::PgPool;
 
-use crate::{BrokerError, SchemaName, StoreError};
+use crate::{BrokerError, SchemaName, StoreError, privacy::Keyring};
 
 /// Who asks for a change, and why. Required by every operation that changes a row or moves a
 /// message, and written to `inbox_audit`.
@@ -125,12 +128,26 @@ impl From<sqlx::Error> for OpsError {
 pub struct Operations {
     pool: PgPool,
     schema: SchemaName,
+    keyring: Option<Arc<Keyring>>,
 }
 
 impl Operations {
     /// Operations on the inbox in `schema`.
     pub fn new(pool: PgPool, schema: SchemaName) -> Self {
-        Self { pool, schema }
+        Self {
+            pool,
+            schema,
+            keyring: None,
+        }
+    }
+
+    /// Opens encrypted payloads with `keyring` (the consumer's, see
+    /// [`crate::privacy::PayloadPrivacy::encrypt_with`]): `show` returns them decrypted and
+    /// `recover` can republish them. Without it they stay sealed: `show` says which key sealed
+    /// them and `recover` leaves their rows unchanged.
+    pub fn with_keyring(mut self, keyring: Arc<Keyring>) -> Self {
+        self.keyring = Some(keyring);
+        self
     }
 
     /// The pool the operations run on.

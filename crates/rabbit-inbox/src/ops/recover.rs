@@ -27,6 +27,7 @@ use crate::{
     Broker, OutgoingMessage,
     config::{ConsumerConfig, RetryPolicy},
     error::ConfigError,
+    privacy::{PrivacyError, is_original_body, open_payload},
     store::{InboxStatus, InboxStore, audited},
 };
 
@@ -407,15 +408,25 @@ impl Operations {
                 ..candidate.message
             });
         };
-        let (action, detail) = planned_action(request, &current);
-        if action == RecoveryAction::Republished
-            && let Err(e) = self.republish(&mut tx, broker, request, &current).await
-        {
-            return Ok(RecoveredMessage {
+        let (mut action, mut detail) = planned_action(request, &current);
+        if action == RecoveryAction::Republished {
+            let failed = |why: String| RecoveredMessage {
                 action: RecoveryAction::Failed,
-                detail: Some(format!("not republished, row unchanged: {e}")),
-                ..current.message
-            });
+                detail: Some(format!("not republished, row unchanged: {why}")),
+                ..current.message.clone()
+            };
+            match self.copy_to_republish(&mut tx, request, &current).await? {
+                Ok(copy) => {
+                    if let Err(e) = publish(broker, request, &copy).await {
+                        return Ok(failed(e.to_string()));
+                    }
+                }
+                Err(Unrepublishable::Sealed(why)) => return Ok(failed(why)),
+                Err(Unrepublishable::Lost(why)) => {
+                    action = RecoveryAction::ManualReview;
+                    detail = Some(why);
+                }
+            }
         }
         let target = match action {
             RecoveryAction::Republished => InboxStatus::RetryableFailed,
@@ -478,45 +489,56 @@ impl Operations {
         })
     }
 
-    /// Publishes the row's stored body and headers to the work queue, confirmed.
-    async fn republish(
+    /// The copy that republishes a row: its original body (opened when sealed) and headers.
+    async fn copy_to_republish(
         &self,
         tx: &mut PgConnection,
-        broker: &Broker,
         request: &RecoverRequest,
         found: &Found,
-    ) -> Result<(), OpsError> {
+    ) -> Result<Result<OutgoingMessage, Unrepublishable>, OpsError> {
         let m = &found.message;
-        let (body, headers) = InboxStore::new(self.schema.clone())
+        let kept = InboxStore::new(self.schema.clone())
             .find_payload(tx, &request.consumer, &m.message_id)
             .await?
             .ok_or_else(|| OpsError::Invalid(format!("row {} is gone", m.message_id)))?;
-        let body = body.ok_or_else(|| OpsError::Invalid("no payload kept".into()))?;
-        let mut headers = match headers {
+        let Some(stored) = &kept.stored else {
+            return Ok(Err(Unrepublishable::Lost(
+                "no payload kept to republish".into(),
+            )));
+        };
+        let body = match open_payload(
+            self.keyring.as_deref(),
+            stored,
+            &request.consumer,
+            &m.message_id,
+        ) {
+            Ok(body) => body,
+            // Another holder of the key (the consumer's own recovery) can still republish it.
+            Err(e @ (PrivacyError::NoKeyring { .. } | PrivacyError::UnknownKey { .. })) => {
+                return Ok(Err(Unrepublishable::Sealed(e.to_string())));
+            }
+            Err(e) => return Ok(Err(Unrepublishable::Lost(e.to_string()))),
+        };
+        // A redacted payload is not the message: republished, it would apply other data.
+        if !is_original_body(&body, &kept.payload_sha256) {
+            return Ok(Err(Unrepublishable::Lost(
+                "the stored payload is redacted, not the message: the producer must send it \
+                 again"
+                    .into(),
+            )));
+        }
+        let mut headers = match kept.headers {
             serde_json::Value::Object(map) => map,
             _ => serde_json::Map::new(),
         };
         headers.insert(RECOVERY_HEADER.into(), json!(m.cause.code()));
-        let message = OutgoingMessage {
+        Ok(Ok(OutgoingMessage {
             message_id: Some(m.message_id.clone()),
             kind: Some(m.message_type.clone()),
             correlation_id: found.correlation_id.clone(),
             headers,
             body,
-        };
-        // Bounded: the row stays locked until the confirm arrives.
-        tokio::time::timeout(
-            PUBLISH_TIMEOUT,
-            broker.publish("", &request.work_queue, &message),
-        )
-        .await
-        .map_err(|_| {
-            OpsError::Broker(crate::BrokerError::NotConfirmed(format!(
-                "queue {:?} (no confirm within {PUBLISH_TIMEOUT:?})",
-                request.work_queue
-            )))
-        })??;
-        Ok(())
+        }))
     }
 
     async fn audit_recovery(
@@ -549,6 +571,34 @@ impl Operations {
         .await?;
         Ok(())
     }
+}
+
+/// Why a row's kept payload cannot be republished.
+enum Unrepublishable {
+    /// Sealed with a key this recovery does not hold: left unchanged for one that does.
+    Sealed(String),
+    /// Nothing can republish it (no payload, redacted, key destroyed): manual review.
+    Lost(String),
+}
+
+/// Publishes `copy` to the work queue and waits for the broker's confirm, bounded.
+async fn publish(
+    broker: &Broker,
+    request: &RecoverRequest,
+    copy: &OutgoingMessage,
+) -> Result<(), OpsError> {
+    tokio::time::timeout(
+        PUBLISH_TIMEOUT,
+        broker.publish("", &request.work_queue, copy),
+    )
+    .await
+    .map_err(|_| {
+        OpsError::Broker(crate::BrokerError::NotConfirmed(format!(
+            "queue {:?} (no confirm within {PUBLISH_TIMEOUT:?})",
+            request.work_queue
+        )))
+    })??;
+    Ok(())
 }
 
 /// What the policy does with a row, and why when it is not the policy's first choice.
@@ -591,7 +641,10 @@ impl RecoveryTask {
         config: &ConsumerConfig,
         recovery: RecoveryConfig,
     ) -> Self {
-        let ops = Operations::new(pool, config.schema.clone());
+        let mut ops = Operations::new(pool, config.schema.clone());
+        if let Some(keyring) = &config.privacy.encryption {
+            ops = ops.with_keyring(keyring.clone());
+        }
         let request = RecoverRequest::for_consumer(config, &recovery);
         let name = format!("rabbit-inbox {} recovery", config.consumer_name);
         let actor = Actor::new(
