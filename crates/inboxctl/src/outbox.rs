@@ -41,6 +41,11 @@ pub(crate) struct RelayArgs {
     /// Delete SENT rows older than this many hours; 0 keeps them.
     #[arg(long, default_value_t = 168)]
     retention_hours: u64,
+    /// Serve the relay's metrics (rabbit_inbox_outbox_*: pending, failed, oldest pending age,
+    /// publish latency, returns, confirm failures) in the Prometheus text format at
+    /// http://ADDR/metrics (e.g. 127.0.0.1:9465).
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
 }
 
 impl RelayArgs {
@@ -65,6 +70,9 @@ impl RelayArgs {
 /// Runs a relay until SIGINT/SIGTERM.
 pub(crate) async fn relay(servers: &Servers, args: RelayArgs) -> anyhow::Result<ExitCode> {
     let config = args.config()?;
+    if let Some(addr) = args.metrics_addr {
+        crate::telemetry::serve_metrics(addr)?;
+    }
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
     connect::rabbitmq(&servers.amqp_url).await?.close().await;
     rabbit_inbox::migrate(&pool, &config.schema)

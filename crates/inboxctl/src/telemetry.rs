@@ -51,13 +51,21 @@ impl ObserveArgs {
 
     /// Installs the Prometheus exporter, if asked for. Call inside the runtime.
     pub(crate) fn install_metrics(&self) -> anyhow::Result<()> {
-        let Some(addr) = self.metrics_addr else {
-            return Ok(());
-        };
-        prometheus(addr)?
-            .install()
-            .with_context(|| format!("serving metrics at {addr}"))
+        match self.metrics_addr {
+            Some(addr) => serve_metrics(addr),
+            None => Ok(()),
+        }
     }
+}
+
+/// Installs the Prometheus exporter serving the catalog at http://ADDR/metrics. Call inside
+/// the runtime.
+pub(crate) fn serve_metrics(addr: SocketAddr) -> anyhow::Result<()> {
+    prometheus(addr)?
+        .install()
+        .with_context(|| format!("serving metrics at {addr}"))?;
+    m::describe();
+    Ok(())
 }
 
 /// The exporter with histogram buckets fitting the catalog: latencies from a millisecond to

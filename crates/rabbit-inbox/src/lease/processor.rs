@@ -388,7 +388,7 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
     /// This worker's lease was taken over: the delivery is settled by the row as it is now,
     /// never acked as processed on this worker's say-so.
     async fn lost(&self, lease: &Lease) -> Outcome {
-        metrics::counter!("rabbit_inbox_leases_lost_total", "consumer" => self.consumer.clone())
+        metrics::counter!(crate::telemetry::metrics::LEASES_LOST, "consumer" => self.consumer.clone())
             .increment(1);
         tracing::warn!(
             message_id = %lease.message_id,

@@ -23,6 +23,7 @@ use super::{Actor, Operations, OpsError, Progress};
 use crate::{
     RetryPolicy, SchemaName,
     retention::{RetentionMode, RetentionPolicy},
+    telemetry::metrics as m,
 };
 
 /// What to clean up, under which policy.
@@ -513,6 +514,11 @@ impl Run<'_> {
             let n = self.batch(kind, types, lo, hi).await?;
             total += n;
             self.progress.advance(n);
+            if matches!(kind, Sliced::Remove) {
+                // Per batch, so the headroom alert sees a long run while it deletes.
+                metrics::counter!(m::RETENTION_DELETED, "consumer" => consumer.clone())
+                    .increment(n);
+            }
             if n >= limit {
                 // The slice holds more than a batch: finish it with narrower ones next time.
                 width = (width / 2).max(MIN_SLICE);

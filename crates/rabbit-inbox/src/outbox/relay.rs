@@ -36,6 +36,7 @@ use crate::{
     broker::{ConfirmedLink, Publication, PublishResult},
     error::{ConfigError, StoreError},
     schema::SchemaName,
+    telemetry::metrics as m,
 };
 
 /// Settings of a [`Relay`].
@@ -403,8 +404,7 @@ impl Relay {
             PublishResult::Confirmed => Settlement::Sent,
             PublishResult::Returned(reply) => {
                 self.stats.returned.fetch_add(1, Relaxed);
-                metrics::counter!("rabbit_inbox_outbox_returns_total", "schema" => schema)
-                    .increment(1);
+                metrics::counter!(m::OUTBOX_RETURNS, "schema" => schema).increment(1);
                 Settlement::Charge {
                     code: "returned",
                     error: format!(
@@ -415,8 +415,7 @@ impl Relay {
             }
             PublishResult::Nacked => {
                 self.stats.confirm_failures.fetch_add(1, Relaxed);
-                metrics::counter!("rabbit_inbox_outbox_confirm_failures_total", "schema" => schema)
-                    .increment(1);
+                metrics::counter!(m::OUTBOX_CONFIRM_FAILURES, "schema" => schema).increment(1);
                 Settlement::Charge {
                     code: "nacked",
                     error: "the broker nacked the publish".into(),
@@ -424,6 +423,7 @@ impl Relay {
             }
             PublishResult::ExchangeMissing => {
                 self.stats.exchange_missing.fetch_add(1, Relaxed);
+                metrics::counter!(m::OUTBOX_RETURNS, "schema" => schema).increment(1);
                 Settlement::Charge {
                     code: "exchange_missing",
                     error: format!("exchange {:?} does not exist", row.exchange),
@@ -435,8 +435,7 @@ impl Relay {
             },
             PublishResult::Unconfirmed(e) => {
                 self.stats.confirm_failures.fetch_add(1, Relaxed);
-                metrics::counter!("rabbit_inbox_outbox_confirm_failures_total", "schema" => schema)
-                    .increment(1);
+                metrics::counter!(m::OUTBOX_CONFIRM_FAILURES, "schema" => schema).increment(1);
                 Settlement::Release {
                     code: "unconfirmed",
                     error: e.clone(),
@@ -470,8 +469,7 @@ impl Relay {
                 Settlement::Sent => {
                     published += 1;
                     let delay = row.age_secs.max(0.0) + confirmed_after.as_secs_f64();
-                    metrics::histogram!("rabbit_inbox_outbox_delay_seconds", "schema" => schema.clone())
-                        .record(delay);
+                    metrics::histogram!(m::OUTBOX_DELAY, "schema" => schema.clone()).record(delay);
                     if let Some(h) = hist.as_mut() {
                         let _ = h.record((delay * 1e6) as u64);
                     }
@@ -481,10 +479,9 @@ impl Relay {
             }
         }
         drop(hist);
-        metrics::histogram!("rabbit_inbox_outbox_publish_seconds", "schema" => schema.clone())
+        metrics::histogram!(m::OUTBOX_PUBLISH_DURATION, "schema" => schema.clone())
             .record(confirmed_after.as_secs_f64());
-        metrics::counter!("rabbit_inbox_outbox_published_total", "schema" => schema.clone())
-            .increment(published);
+        metrics::counter!(m::OUTBOX_PUBLISHED, "schema" => schema.clone()).increment(published);
         self.stats.published.fetch_add(published, Relaxed);
         self.stats.released.fetch_add(released, Relaxed);
         if fenced > 0 {
@@ -494,8 +491,7 @@ impl Relay {
                 "outbox rows were taken over by another relay after this one's lease expired; \
                  they may be published twice (same ids, deduped downstream)"
             );
-            metrics::counter!("rabbit_inbox_outbox_fenced_total", "schema" => schema)
-                .increment(fenced);
+            metrics::counter!(m::OUTBOX_FENCED, "schema" => schema).increment(fenced);
             self.stats.fenced.fetch_add(fenced, Relaxed);
         }
     }
@@ -505,11 +501,9 @@ impl Relay {
         let mut conn = self.pool.acquire().await?;
         let summary = self.store.summary(&mut conn).await?;
         let schema = self.config.schema.as_str().to_owned();
-        metrics::gauge!("rabbit_inbox_outbox_pending", "schema" => schema.clone())
-            .set(summary.pending as f64);
-        metrics::gauge!("rabbit_inbox_outbox_failed", "schema" => schema.clone())
-            .set(summary.failed as f64);
-        metrics::gauge!("rabbit_inbox_outbox_oldest_pending_seconds", "schema" => schema)
+        metrics::gauge!(m::OUTBOX_PENDING, "schema" => schema.clone()).set(summary.pending as f64);
+        metrics::gauge!(m::OUTBOX_FAILED, "schema" => schema.clone()).set(summary.failed as f64);
+        metrics::gauge!(m::OUTBOX_OLDEST_PENDING_AGE, "schema" => schema)
             .set(summary.oldest_pending_secs.unwrap_or(0.0));
         if let Some(retention) = self.config.retention {
             const CHUNK: i64 = 5_000;

@@ -2,7 +2,7 @@
 //!
 //! Metrics go through the `metrics` facade; nothing is recorded until the application installs
 //! a recorder (e.g. `metrics-exporter-prometheus`, as `inboxctl consume --metrics-addr` does).
-//! Labels are bounded: `consumer` (configured names), `outcome`, `reason`, `status` and
+//! Labels are bounded: `consumer` (configured names), `schema` (the outbox's), `outcome`, `reason`, `status` and
 //! `result` (fixed sets below) and `message_type`, folded by [`MessageTypeLabels`] to the
 //! configured known types, the first [`crate::TelemetryConfig::max_message_types`] seen, and
 //! [`OTHER_TYPE`].
@@ -36,7 +36,8 @@ pub const REPEATED_REQUEUES: &str = "rabbit_inbox_repeated_requeues_total";
 /// PROCESSING rows older than `retry.stale_processing_after` taken over by this consumer.
 /// Labels: `consumer`.
 pub const STALE_LEASE_RECOVERIES: &str = "rabbit_inbox_stale_lease_recoveries_total";
-/// PROCESSED rows deleted by retention (`InboxStore::cleanup_processed_older_than`).
+/// PROCESSED rows deleted (or archived) by retention: the consumer's cleanup timer,
+/// `inboxctl cleanup`, the admin API's cleanup and `InboxStore::cleanup_processed_older_than`.
 /// Labels: `consumer`.
 pub const RETENTION_DELETED: &str = "rabbit_inbox_retention_deleted_total";
 
@@ -79,10 +80,37 @@ pub const DEDUP_WINDOW_HEADROOM: &str = "rabbit_inbox_dedup_window_headroom_seco
 /// Sampler queries that failed (the gauges keep their last value). Labels: `consumer`.
 pub const SAMPLER_ERRORS: &str = "rabbit_inbox_sampler_errors_total";
 
-/// Outbox rows not yet published. Labels: `consumer`. Reserved for the outbox.
-pub const OUTBOX_BACKLOG: &str = "rabbit_inbox_outbox_backlog";
-/// Age of the oldest unpublished outbox row. Labels: `consumer`. Reserved for the outbox.
-pub const OUTBOX_OLDEST_AGE: &str = "rabbit_inbox_outbox_oldest_age_seconds";
+/// Leased work that lost its lease (a successor took over, or the heartbeat was refused)
+/// before it could commit. Labels: `consumer`.
+pub const LEASES_LOST: &str = "rabbit_inbox_leases_lost_total";
+
+// The outbox is one table per schema, shared by every consumer and web handler that writes to
+// it, so its metrics are labelled by `schema`, the relay's unit of work.
+
+/// Outbox rows not yet published (PENDING), the backlog. Labels: `schema`. (Sampled by the
+/// relay.)
+pub const OUTBOX_PENDING: &str = "rabbit_inbox_outbox_pending";
+/// Outbox rows the relay gave up on after `max_attempts` (FAILED; `inboxctl outbox --failed`).
+/// Labels: `schema`. (Sampled by the relay.)
+pub const OUTBOX_FAILED: &str = "rabbit_inbox_outbox_failed";
+/// Age of the oldest PENDING outbox row, by its commit. 0 when there is none. Labels:
+/// `schema`. (Sampled by the relay.)
+pub const OUTBOX_OLDEST_PENDING_AGE: &str = "rabbit_inbox_outbox_oldest_pending_seconds";
+/// Outbox rows published and confirmed by the broker. Labels: `schema`.
+pub const OUTBOX_PUBLISHED: &str = "rabbit_inbox_outbox_published_total";
+/// One relay batch, first publish to last confirm. Labels: `schema`.
+pub const OUTBOX_PUBLISH_DURATION: &str = "rabbit_inbox_outbox_publish_seconds";
+/// Commit of an outbox row to its confirmed publish. Labels: `schema`.
+pub const OUTBOX_DELAY: &str = "rabbit_inbox_outbox_delay_seconds";
+/// Publishes the broker returned as unroutable (`mandatory`) or refused for a missing exchange;
+/// the row is retried. Labels: `schema`.
+pub const OUTBOX_RETURNS: &str = "rabbit_inbox_outbox_returns_total";
+/// Publishes the broker nacked or did not confirm in time; the row is retried. Labels:
+/// `schema`.
+pub const OUTBOX_CONFIRM_FAILURES: &str = "rabbit_inbox_outbox_confirm_failures_total";
+/// Rows this relay published but could not mark sent because another relay took them over
+/// after this one's lease expired (they may go out twice, with the same ids). Labels: `schema`.
+pub const OUTBOX_FENCED: &str = "rabbit_inbox_outbox_fenced_total";
 
 /// The `message_type` label of every type beyond the known and first-seen ones.
 pub const OTHER_TYPE: &str = "other";
@@ -196,11 +224,36 @@ pub fn describe() {
         "Retained PROCESSED history beyond the replay window"
     );
     describe_counter!(SAMPLER_ERRORS, "Failed sampler queries");
-    describe_gauge!(OUTBOX_BACKLOG, "Outbox rows not yet published");
+    describe_counter!(
+        LEASES_LOST,
+        "Leased work that lost its lease before it could commit"
+    );
+    describe_gauge!(OUTBOX_PENDING, "Outbox rows not yet published");
+    describe_gauge!(OUTBOX_FAILED, "Outbox rows given up after max_attempts");
     describe_gauge!(
-        OUTBOX_OLDEST_AGE,
+        OUTBOX_OLDEST_PENDING_AGE,
         Unit::Seconds,
-        "Oldest unpublished outbox row"
+        "Oldest unpublished outbox row, by its commit"
+    );
+    describe_counter!(OUTBOX_PUBLISHED, "Outbox rows published and confirmed");
+    describe_histogram!(
+        OUTBOX_PUBLISH_DURATION,
+        Unit::Seconds,
+        "Relay batches, first publish to last confirm"
+    );
+    describe_histogram!(
+        OUTBOX_DELAY,
+        Unit::Seconds,
+        "Commit of an outbox row to its confirmed publish"
+    );
+    describe_counter!(OUTBOX_RETURNS, "Outbox publishes returned as unroutable");
+    describe_counter!(
+        OUTBOX_CONFIRM_FAILURES,
+        "Outbox publishes nacked or not confirmed in time"
+    );
+    describe_counter!(
+        OUTBOX_FENCED,
+        "Outbox rows taken over by another relay before they were marked sent"
     );
 }
 
