@@ -54,8 +54,9 @@ pub(crate) struct DoctorArgs {
     /// The consumer's prefetch (a quorum delivery limit must exceed attempts + prefetch).
     #[arg(long, default_value_t = 1000)]
     prefetch: u16,
-    /// The RabbitMQ management API, `http://user:password@host:15672` [default: port 15672 of
-    /// the AMQP URL's host, with its credentials]
+    /// The RabbitMQ management API, `http://user:password@host:15672` (a cluster's: several,
+    /// comma-separated; the first that answers is read) [default: port 15672 of each AMQP
+    /// URL's host, with the first URL's credentials]
     #[arg(long, env = "INBOX_MANAGEMENT_URL")]
     management_url: Option<String>,
     /// PROCESSED rows are removed this long after processing (the dedup window).

@@ -477,6 +477,36 @@ async fn an_unreachable_management_api_is_a_warning_not_an_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_address_list_is_checked_through_the_first_node_that_answers() {
+    let env = TestEnv::new().await;
+    let config = env.config(CONSUMER, env.topology("invoices"));
+    run_consumer(&env, &config, &["inv-1"], &[]).await;
+    let real = amqp_url();
+    assert!(real.contains("127.0.0.1"), "{real}");
+    // A node that is down (its name does not even resolve), then the one that runs: as
+    // `AMQP_URL=amqp://a,amqp://b` gives them.
+    let down = real.replace("127.0.0.1", "node-down.invalid");
+    let mut request = DoctorRequest::for_consumer(&config, format!("{down},{real}"));
+    request.retention = Some(RetentionPolicy::default());
+    let report = doctor(&env, &request).await;
+    assert!(failing(&report).is_empty(), "{report:#?}");
+    for id in [ids::TOPOLOGY, ids::WORK_QUEUE, ids::PARKING_LOT] {
+        if let Some(check) = report.check(id) {
+            assert_ne!(check.severity, Severity::Warn, "{check:?}");
+        }
+    }
+    assert_eq!(severity(&report, ids::WORK_QUEUE), Severity::Pass);
+
+    // The same with the management API's addresses given as a list.
+    let mut request = request.clone();
+    request.amqp_url = Some(real);
+    request.management_url = Some(format!("http://127.0.0.1:1,{MANAGEMENT}"));
+    let report = doctor(&env, &request).await;
+    assert_eq!(severity(&report, ids::WORK_QUEUE), Severity::Pass);
+    assert!(failing(&report).is_empty(), "{report:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_retries_fail_and_stale_processing_warns_with_the_command_that_fixes_them() {
     let env = TestEnv::new().await;
     let config = env.config(CONSUMER, env.topology("invoices"));

@@ -107,11 +107,13 @@ impl QueueInfo {
     }
 }
 
-/// A read-only client of the management API of one virtual host.
+/// A read-only client of the management API of one virtual host. Every node of a cluster
+/// serves the whole cluster's API, so with several addresses the first that answers is used.
 #[derive(Clone, Debug)]
 pub struct ManagementClient {
     http: reqwest::Client,
-    base: Url,
+    /// In the order they are tried; never empty.
+    bases: Vec<Url>,
     user: String,
     password: String,
     vhost: String,
@@ -142,26 +144,52 @@ fn percent_decoded(text: &str) -> String {
 }
 
 impl ManagementClient {
-    /// A client for the virtual host of `amqp_url`. The API is at `management_url` when given
-    /// (`http://user:password@host:15672`), else on port 15672 of the AMQP URL's host;
-    /// credentials come from the management URL, else from the AMQP URL, else `guest`.
+    /// A client for the virtual host of `amqp_url` (one AMQP URL, or a comma-separated list
+    /// of a cluster's nodes). The API is at `management_url` when given
+    /// (`http://user:password@host:15672`, or several separated by commas), else on port 15672
+    /// of each AMQP URL's host; credentials come from the management URL, else from the (first)
+    /// AMQP URL, else `guest`.
     pub fn new(amqp_url: &str, management_url: Option<&str>) -> Result<Self, ManagementError> {
-        let amqp = Url::parse(amqp_url)
-            .map_err(|e| ManagementError::InvalidUrl(format!("AMQP URL: {e}")))?;
-        let mut base = match management_url {
-            Some(m) => Url::parse(m).map_err(|e| ManagementError::InvalidUrl(e.to_string()))?,
-            None => {
-                let host = amqp.host_str().ok_or_else(|| {
-                    ManagementError::InvalidUrl("the AMQP URL names no host".into())
-                })?;
-                Url::parse(&format!("http://{host}:{DEFAULT_MANAGEMENT_PORT}/"))
-                    .map_err(|e| ManagementError::InvalidUrl(e.to_string()))?
-            }
+        let entries = |list: &str| -> Vec<String> {
+            list.split(',')
+                .map(str::trim)
+                .filter(|e| !e.is_empty())
+                .map(str::to_owned)
+                .collect()
         };
-        if base.scheme() != "http" {
+        let amqp: Vec<Url> = entries(amqp_url)
+            .iter()
+            .map(|u| {
+                Url::parse(u).map_err(|e| ManagementError::InvalidUrl(format!("AMQP URL: {e}")))
+            })
+            .collect::<Result<_, _>>()?;
+        let first_amqp = amqp
+            .first()
+            .ok_or_else(|| ManagementError::InvalidUrl("no AMQP URL given".into()))?;
+        let mut bases: Vec<Url> = match management_url {
+            Some(m) => entries(m)
+                .iter()
+                .map(|u| Url::parse(u).map_err(|e| ManagementError::InvalidUrl(e.to_string())))
+                .collect::<Result<_, _>>()?,
+            None => amqp
+                .iter()
+                .map(|a| {
+                    let host = a.host_str().ok_or_else(|| {
+                        ManagementError::InvalidUrl("the AMQP URL names no host".into())
+                    })?;
+                    Url::parse(&format!("http://{host}:{DEFAULT_MANAGEMENT_PORT}/"))
+                        .map_err(|e| ManagementError::InvalidUrl(e.to_string()))
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        bases.dedup();
+        let first_base = bases
+            .first()
+            .ok_or_else(|| ManagementError::InvalidUrl("no management URL given".into()))?;
+        if let Some(other) = bases.iter().find(|b| b.scheme() != "http") {
             return Err(ManagementError::InvalidUrl(format!(
                 "{}: only http is supported (put a local proxy in front of https)",
-                base.scheme()
+                other.scheme()
             )));
         }
         let credentials = |u: &Url| {
@@ -173,32 +201,34 @@ impl ManagementClient {
             })
         };
         let (user, password) = management_url
-            .and(credentials(&base))
-            .or_else(|| credentials(&amqp))
+            .and(credentials(first_base))
+            .or_else(|| credentials(first_amqp))
             .unwrap_or_else(|| ("guest".into(), "guest".into()));
-        // Credentials travel as basic auth, not in the URL errors show.
-        let _ = base.set_username("");
-        let _ = base.set_password(None);
-        let vhost = match amqp.path().strip_prefix('/').unwrap_or_default() {
+        let vhost = match first_amqp.path().strip_prefix('/').unwrap_or_default() {
             "" => "/".to_owned(),
             path => percent_decoded(path),
         };
+        // Credentials travel as basic auth, not in the URL errors show.
+        for base in &mut bases {
+            let _ = base.set_username("");
+            let _ = base.set_password(None);
+        }
         let http = reqwest::Client::builder()
             .timeout(REQUEST_TIMEOUT)
             .build()
             .map_err(|e| ManagementError::InvalidUrl(e.to_string()))?;
         Ok(Self {
             http,
-            base,
+            bases,
             user,
             password,
             vhost,
         })
     }
 
-    /// The API's address, without credentials.
+    /// The API's first address, without credentials.
     pub fn url(&self) -> &str {
-        self.base.as_str()
+        self.bases.first().map_or("", Url::as_str)
     }
 
     /// The virtual host whose queues are read.
@@ -206,18 +236,34 @@ impl ManagementClient {
         &self.vhost
     }
 
-    fn endpoint(&self, segments: &[&str]) -> Result<Url, ManagementError> {
-        let mut url = self.base.clone();
+    fn endpoint(base: &Url, segments: &[&str]) -> Result<Url, ManagementError> {
+        let mut url = base.clone();
         url.path_segments_mut()
-            .map_err(|()| ManagementError::InvalidUrl(self.base.to_string()))?
+            .map_err(|()| ManagementError::InvalidUrl(base.to_string()))?
             .pop_if_empty()
             .extend(segments);
         Ok(url)
     }
 
-    /// GET of `segments` under the base; `None` on 404.
+    /// GET of `segments` from the first address that answers; `None` on 404.
     async fn get(&self, segments: &[&str]) -> Result<Option<Value>, ManagementError> {
-        let url = self.endpoint(segments)?;
+        let mut unreachable = None;
+        for base in &self.bases {
+            match self.get_from(base, segments).await {
+                Err(e @ ManagementError::Unreachable { .. }) => unreachable = Some(e),
+                answered => return answered,
+            }
+        }
+        Err(unreachable
+            .unwrap_or_else(|| ManagementError::InvalidUrl("no management address".into())))
+    }
+
+    async fn get_from(
+        &self,
+        base: &Url,
+        segments: &[&str],
+    ) -> Result<Option<Value>, ManagementError> {
+        let url = Self::endpoint(base, segments)?;
         let shown = url.to_string();
         let response = self
             .http
@@ -290,7 +336,8 @@ mod tests {
         assert_eq!(c.url(), "http://rabbit.local:15672/");
         assert_eq!((c.user.as_str(), c.password.as_str()), ("app", "s@cret"));
         assert_eq!(c.vhost(), "/");
-        let queue = c.endpoint(&["api", "queues", "/", "a/b"]).expect("url");
+        let queue =
+            ManagementClient::endpoint(&c.bases[0], &["api", "queues", "/", "a/b"]).expect("url");
         assert_eq!(
             queue.as_str(),
             "http://rabbit.local:15672/api/queues/%2F/a%2Fb"
@@ -304,6 +351,27 @@ mod tests {
         assert_eq!(c.url(), "http://mgmt:8080/rabbit/");
         assert_eq!((c.user.as_str(), c.vhost()), ("admin", "billing"));
         assert!(ManagementClient::new("amqp://h/", Some("https://h:15671")).is_err());
+    }
+
+    #[test]
+    fn a_cluster_list_gives_one_api_address_per_node() {
+        let c = ManagementClient::new(
+            "amqp://app:pw@node-a:5672/billing, amqp://app:pw@node-b:5673/billing,",
+            None,
+        )
+        .expect("valid");
+        let bases: Vec<&str> = c.bases.iter().map(Url::as_str).collect();
+        assert_eq!(bases, ["http://node-a:15672/", "http://node-b:15672/"]);
+        assert_eq!((c.user.as_str(), c.vhost()), ("app", "billing"));
+        // Nodes of one host share its API.
+        let c = ManagementClient::new("amqp://h:5672/,amqp://h:5673/", None).expect("valid");
+        assert_eq!(c.bases.len(), 1);
+        let c = ManagementClient::new("amqp://h/", Some("http://u:p@m1:15672,http://m2:15672"))
+            .expect("valid");
+        let bases: Vec<&str> = c.bases.iter().map(Url::as_str).collect();
+        assert_eq!(bases, ["http://m1:15672/", "http://m2:15672/"]);
+        assert_eq!(c.user, "u");
+        assert!(ManagementClient::new(" , ", None).is_err());
     }
 
     #[test]

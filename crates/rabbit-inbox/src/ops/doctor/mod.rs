@@ -239,10 +239,12 @@ impl DoctorReport {
 pub struct DoctorRequest {
     /// Check this consumer's rows; `None`: every consumer of the schema.
     pub consumer: Option<String>,
-    /// The broker. `None`: broker and reconciliation checks are skipped (a warn row).
+    /// The broker: an AMQP URL, or a cluster's as a comma-separated list. `None`: broker and
+    /// reconciliation checks are skipped (a warn row).
     pub amqp_url: Option<String>,
-    /// The management HTTP API (`http://user:password@host:15672`); `None`: port 15672 of
-    /// the AMQP URL's host, with its credentials.
+    /// The management HTTP API (`http://user:password@host:15672`, several separated by
+    /// commas); `None`: port 15672 of each AMQP URL's host, with the first URL's credentials.
+    /// The first address that answers is read.
     pub management_url: Option<String>,
     /// The consumer's queues. `None`: broker and reconciliation checks are skipped.
     pub topology: Option<Topology>,
