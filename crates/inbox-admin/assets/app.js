@@ -81,8 +81,11 @@ async function loadStatus() {
       { oldest: null, open: 0, stale: 0, failed: 0, dups: 0 };
     if (l.status !== "PROCESSED") {
       c.open += l.rows || 0;
-      if (l.oldest_age_secs !== null && (c.oldest === null || l.oldest_age_secs > c.oldest)) {
-        c.oldest = l.oldest_age_secs;
+      // Overdue rows only: parked rows, rows waiting for their retry and live leases are
+      // not "unprocessed" in the sense of stuck.
+      const overdue = l.overdue_age_secs;
+      if (overdue !== null && overdue !== undefined && (c.oldest === null || overdue > c.oldest)) {
+        c.oldest = overdue;
       }
     }
     c.stale += l.stale;
@@ -180,6 +183,10 @@ async function showMessage(consumer, id) {
     field("attempts", row.processing_attempt);
     field("deliveries", row.delivery_count);
     field("first received", when(row.first_received_at));
+    field("attempt started", when(row.processing_started_at));
+    if (row.lease_owner) {
+      field("lease", `${row.lease_owner}, token ${row.fencing_token}, expires ${when(row.lease_expires_at)}`);
+    }
     field("last failed", when(row.last_failed_at));
     field("error code", row.last_error_code);
     field("error", row.last_error_message);

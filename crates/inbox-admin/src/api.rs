@@ -98,6 +98,11 @@ pub(crate) async fn status(
         count_processed: p.count_processed,
         ..StatusQuery::default()
     };
+    // Rows waiting for their retry are overdue only after the consumer's own delays.
+    if let Some((_, retry)) = &state.queues {
+        query.retry_delays = retry.delays.clone();
+        query.stale_after = retry.stale_processing_after;
+    }
     if let Some(s) = given(&p.stale_after) {
         query.stale_after = duration("stale_after", s)?;
     }

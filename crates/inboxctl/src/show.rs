@@ -72,6 +72,17 @@ fn render(r: &ShowReport) -> comfy_table::Table {
             ("deliveries", row.delivery_count.to_string()),
             ("first received", when::cell(Some(row.first_received_at))),
             ("last received", when::cell(Some(row.last_received_at))),
+            ("attempt started", when::cell(row.processing_started_at)),
+            (
+                "lease",
+                match (&row.lease_owner, row.fencing_token) {
+                    (Some(owner), Some(token)) => format!(
+                        "{owner}, token {token}, expires {}",
+                        when::cell(row.lease_expires_at)
+                    ),
+                    _ => String::new(),
+                },
+            ),
             ("processed", when::cell(row.processed_at)),
             ("first failed", when::cell(row.first_failed_at)),
             ("last failed", when::cell(row.last_failed_at)),

@@ -18,7 +18,9 @@ pub(crate) struct StatusArgs {
     inbox: InboxArgs,
     #[command(flatten)]
     queues: QueueArgs,
-    /// A PROCESSING row whose attempt started longer ago than this is stale.
+    /// A PROCESSING row whose attempt started longer ago than this is stale (a leased one:
+    /// once its lease expired). The "overdue" column leaves out rows waiting for their retry
+    /// (--retry-delays) and leases still heartbeating.
     #[arg(long, value_parser = when::duration, default_value = "5m")]
     stale_after: std::time::Duration,
     /// Also count every PROCESSED row (scans the table; by default only the last hour's are
@@ -36,6 +38,7 @@ pub(crate) async fn run(servers: &Servers, args: StatusArgs) -> anyhow::Result<E
             &StatusQuery {
                 consumer: args.inbox.consumer.clone(),
                 stale_after: args.stale_after,
+                retry_delays: args.queues.retry_delays.0.clone(),
                 count_processed: args.count_processed,
             },
             lot.as_ref(),
@@ -54,6 +57,7 @@ fn render(r: &StatusReport) -> comfy_table::Table {
         "status",
         "rows",
         "oldest age",
+        "overdue",
         "stale",
         "failed 1h",
         "duplicates 1h",
@@ -67,6 +71,7 @@ fn render(r: &StatusReport) -> comfy_table::Table {
             l.status.to_string(),
             n(l.rows),
             when::age(l.oldest_age_secs),
+            when::age(l.overdue_age_secs),
             l.stale.to_string(),
             l.failed_last_hour.to_string(),
             l.duplicates_last_hour.to_string(),

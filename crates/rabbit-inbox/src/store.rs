@@ -265,6 +265,34 @@ struct Sql {
 }
 
 /// Shared (cheaply cloned) SQL text built from a validated schema name.
+/// The SQL condition of a stale PROCESSING row, with the stale threshold (seconds) in
+/// placeholder `secs`: a leased row whose lease expired, or an unleased row whose claim is
+/// older than the threshold. A leased row whose worker still heartbeats is never stale, however
+/// long it runs. Recovery, the lease takeover, `status` and the sampler share this meaning.
+pub(crate) fn stale_processing(secs: &str) -> String {
+    format!(
+        "(status = 'PROCESSING' AND (lease_expires_at < now() OR (lease_expires_at IS NULL \
+           AND coalesce(processing_started_at, last_received_at) < now() - make_interval(secs => {secs}))))"
+    )
+}
+
+/// The SQL interval by which an open row is overdue, with each attempt's retry delay
+/// (seconds, the last for later attempts) in placeholder `delays`: a committed PROCESSING row
+/// since its claim (unless its lease is alive), a RETRYABLE_FAILED row since its retry delay
+/// passed; NULL for the rest (parked rows, live leases). Negative while a retry still waits.
+/// The sampler's "oldest unprocessed" gauge and `status` share it, so a backlog signal never
+/// fires on rows that are only waiting for their retry.
+pub(crate) fn overdue_by(delays: &str) -> String {
+    format!(
+        "CASE \
+           WHEN status = 'PROCESSING' AND lease_expires_at > now() THEN NULL \
+           WHEN status = 'PROCESSING' THEN now() - coalesce(processing_started_at, last_received_at) \
+           WHEN status = 'RETRYABLE_FAILED' THEN now() - last_failed_at - make_interval(secs => \
+             ({delays}::float8[])[least(greatest(processing_attempt, 1), cardinality({delays}::float8[]))]) \
+         END"
+    )
+}
+
 pub(crate) fn audited(sql: String) -> SqlStr {
     AssertSqlSafe(std::sync::Arc::<str>::from(sql)).into_sql_str()
 }
@@ -407,20 +435,14 @@ impl Sql {
                    count(*) FILTER (WHERE status = 'RETRYABLE_FAILED') AS retryable_failed, \
                    count(*) FILTER (WHERE status = 'PERMANENT_FAILED') AS permanent_failed, \
                    count(*) FILTER (WHERE status = 'POISONED') AS poisoned, \
-                   count(*) FILTER (WHERE status = 'PROCESSING' \
-                     AND coalesce(processing_started_at, last_received_at) \
-                         < now() - make_interval(secs => $2)) AS stale_processing, \
+                   count(*) FILTER (WHERE {stale}) AS stale_processing, \
                    extract(epoch FROM now() - min(last_failed_at) \
                      FILTER (WHERE status IN ('PERMANENT_FAILED', 'POISONED')))::float8 \
                      AS parked_oldest_age, \
-                   extract(epoch FROM max(CASE \
-                     WHEN status = 'PROCESSING' \
-                       THEN now() - coalesce(processing_started_at, last_received_at) \
-                     WHEN status = 'RETRYABLE_FAILED' \
-                       THEN now() - last_failed_at - make_interval(secs => \
-                         ($3::float8[])[least(greatest(processing_attempt, 1), cardinality($3::float8[]))]) \
-                     END))::float8 AS oldest_unprocessed_age \
-                 FROM {t} WHERE consumer_name = $1 AND status <> 'PROCESSED'"
+                   extract(epoch FROM max({overdue}))::float8 AS oldest_unprocessed_age \
+                 FROM {t} WHERE consumer_name = $1 AND status <> 'PROCESSED'",
+                stale = stale_processing("$2"),
+                overdue = overdue_by("$3"),
             )),
             // Rows older than the window first: the BRIN index on processed_at reads only the
             // old block ranges. Only when none is older does it look at all processed rows.

@@ -103,6 +103,7 @@ async fn inspection_reports_a_populated_inbox() {
             &StatusQuery {
                 consumer: Some(CONSUMER.into()),
                 stale_after: std::time::Duration::from_secs(300),
+                retry_delays: config.retry.delays.clone(),
                 count_processed: true,
             },
             Some(&lot),
@@ -123,7 +124,13 @@ async fn inspection_reports_a_populated_inbox() {
     let permanent = line(InboxStatus::PermanentFailed);
     assert_eq!(permanent.rows, Some(3), "two refused, one not JSON");
     assert_eq!(permanent.failed_last_hour, 3);
-    assert!(permanent.oldest_age_secs.is_some_and(|a| a >= 0.0));
+    // Parked moments ago, by this test.
+    assert!(
+        permanent
+            .oldest_age_secs
+            .is_some_and(|a| (0.0..600.0).contains(&a)),
+        "{permanent:?}"
+    );
     let poisoned = line(InboxStatus::Poisoned);
     assert_eq!(poisoned.rows, Some(1));
     let stuck = line(InboxStatus::Processing);
@@ -322,4 +329,117 @@ async fn inspection_reports_a_populated_inbox() {
     assert_eq!(flaky.error_code.as_deref(), Some("test_retryable"));
     assert_eq!(groups.iter().map(|g| g.rows).sum::<i64>(), 4);
     lot.close().await;
+}
+
+#[tokio::test]
+async fn stale_and_overdue_follow_leases_and_retry_delays() {
+    let env = TestEnv::new().await;
+    let s = env.schema.as_str();
+    // (id, status, started/failed this long ago, lease expiring in this long)
+    let rows: [(&str, &str, &str, Option<&str>); 5] = [
+        // A crashed custom loop's claim, unleased: stale and overdue for an hour.
+        ("stuck", "PROCESSING", "1 hour", None),
+        // Long leased work whose worker still heartbeats: neither stale nor overdue.
+        ("heartbeating", "PROCESSING", "2 hours", Some("1 hour")),
+        // A lease that expired a minute after a recent claim: stale at once.
+        ("lease-lost", "PROCESSING", "2 minutes", Some("-1 minute")),
+        // A retry still inside its delay (1 hour below): not overdue.
+        ("waiting", "RETRYABLE_FAILED", "10 minutes", None),
+        // A retry whose delay passed 30 minutes ago: its copy never came back.
+        ("overdue", "RETRYABLE_FAILED", "90 minutes", None),
+    ];
+    for (id, status, ago, lease) in rows {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO \"{s}\".message_inbox (message_id, consumer_name, message_type, \
+               message_version, status, processing_attempt, processing_started_at, \
+               last_failed_at, lease_owner, lease_expires_at, fencing_token, \
+               first_received_at, payload_sha256) \
+             VALUES ($1, $2, 'InvoiceIssued', 1, $3, 1, now() - $4::interval, \
+               CASE WHEN $3 = 'RETRYABLE_FAILED' THEN now() - $4::interval END, \
+               CASE WHEN $5::interval IS NOT NULL THEN 'worker-1' END, now() + $5::interval, \
+               CASE WHEN $5::interval IS NOT NULL THEN 1 END, \
+               now() - $4::interval, '\\x00')"
+        )))
+        .bind(id)
+        .bind(CONSUMER)
+        .bind(status)
+        .bind(ago)
+        .bind(lease)
+        .execute(&env.pool)
+        .await
+        .expect("row inserted");
+    }
+    let hour = std::time::Duration::from_secs(3600);
+    let ops = Operations::new(env.pool.clone(), env.schema.clone());
+    let shown = ops
+        .show(&ShowQuery {
+            message_id: "heartbeating".into(),
+            consumer: None,
+            topology: None,
+        })
+        .await
+        .expect("show");
+    let row = &shown.rows[0];
+    assert_eq!(
+        (row.lease_owner.as_deref(), row.fencing_token),
+        (Some("worker-1"), Some(1))
+    );
+    assert!(row.lease_expires_at.is_some_and(|t| t > chrono::Utc::now()));
+    let report = ops
+        .status(
+            &StatusQuery {
+                consumer: Some(CONSUMER.into()),
+                stale_after: std::time::Duration::from_secs(300),
+                retry_delays: vec![hour],
+                count_processed: false,
+            },
+            None,
+        )
+        .await
+        .expect("status");
+    let line = |status| {
+        report
+            .lines
+            .iter()
+            .find(|l| l.status == status)
+            .unwrap_or_else(|| panic!("a {status} line in {:#?}", report.lines))
+    };
+    let processing = line(InboxStatus::Processing);
+    assert_eq!(
+        (processing.rows, processing.stale),
+        (Some(3), 2),
+        "{processing:?}"
+    );
+    assert!(
+        processing
+            .overdue_age_secs
+            .is_some_and(|a| (3500.0..3700.0).contains(&a)),
+        "the unleased claim of an hour ago, not the heartbeating one of two: {processing:?}"
+    );
+    let retrying = line(InboxStatus::RetryableFailed);
+    assert_eq!((retrying.rows, retrying.stale), (Some(2), 0));
+    assert!(
+        retrying
+            .overdue_age_secs
+            .is_some_and(|a| (1700.0..1900.0).contains(&a)),
+        "90 minutes since the failure, less the hour's delay: {retrying:?}"
+    );
+
+    // The sampler's gauges mean the same.
+    let mut conn = env.pool.acquire().await.expect("connection");
+    let sample = env
+        .store
+        .sample_open_rows(
+            &mut conn,
+            CONSUMER,
+            std::time::Duration::from_secs(300),
+            &rabbit_inbox::RetryPolicy::tiered(vec![hour]),
+        )
+        .await
+        .expect("sample");
+    assert_eq!(sample.stale_processing, 2, "{sample:?}");
+    assert!(
+        (3500.0..3700.0).contains(&sample.oldest_unprocessed_age),
+        "{sample:?}"
+    );
 }

@@ -47,7 +47,7 @@ impl LeaseSql {
         Self {
             // A new row (inserted by this transaction: $5), a RETRYABLE_FAILED one, or a
             // PROCESSING one whose lease expired (or that has no lease and is older than the
-            // stale threshold $7): this worker's now, under the next token.
+            // stale threshold $6): this worker's now, under the next token.
             take: audited(format!(
                 "UPDATE {t} SET status = 'PROCESSING', \
                    processing_attempt = processing_attempt + CASE WHEN $5 THEN 0 ELSE 1 END, \
@@ -55,11 +55,9 @@ impl LeaseSql {
                    lease_owner = $3, lease_expires_at = now() + make_interval(secs => $4), \
                    fencing_token = coalesce(fencing_token, 0) + 1 \
                  WHERE consumer_name = $1 AND message_id = $2 \
-                   AND ($5 OR status = 'RETRYABLE_FAILED' \
-                        OR (status = 'PROCESSING' AND (lease_expires_at < now() \
-                            OR (lease_expires_at IS NULL \
-                                AND processing_started_at < now() - make_interval(secs => $6))))) \
-                 RETURNING processing_attempt, fencing_token"
+                   AND ($5 OR status = 'RETRYABLE_FAILED' OR {stale}) \
+                 RETURNING processing_attempt, fencing_token",
+                stale = crate::store::stale_processing("$6"),
             )),
             renew: audited(format!(
                 "UPDATE {t} SET lease_expires_at = now() + make_interval(secs => $5) WHERE {HELD}"

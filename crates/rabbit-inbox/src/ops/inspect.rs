@@ -39,8 +39,12 @@ const RECENT: Duration = Duration::from_secs(3600);
 pub struct StatusQuery {
     /// One consumer, or all.
     pub consumer: Option<String>,
-    /// A PROCESSING row whose attempt started longer ago than this counts as stale.
+    /// A PROCESSING row whose attempt started longer ago than this counts as stale (a leased
+    /// row: once its lease expired).
     pub stale_after: Duration,
+    /// The consumer's retry delay per attempt: a RETRYABLE_FAILED row is overdue only once its
+    /// delay passed (see [`StatusLine::overdue_age_secs`]).
+    pub retry_delays: Vec<Duration>,
     /// Count all PROCESSED rows exactly (a scan of the table; off by default).
     pub count_processed: bool,
 }
@@ -50,6 +54,7 @@ impl Default for StatusQuery {
         Self {
             consumer: None,
             stale_after: RetryPolicy::default().stale_processing_after,
+            retry_delays: RetryPolicy::default().delays,
             count_processed: false,
         }
     }
@@ -68,7 +73,13 @@ pub struct StatusLine {
     pub oldest_received_at: Option<DateTime<Utc>>,
     /// Its age in seconds.
     pub oldest_age_secs: Option<f64>,
-    /// PROCESSING rows whose attempt started longer ago than the stale threshold.
+    /// PROCESSING and RETRYABLE_FAILED only: how long the most overdue row has been stuck, in
+    /// seconds (a committed claim without a live lease since it began; a retry since its delay
+    /// passed), as the `rabbit_inbox_oldest_unprocessed_age_seconds` gauge measures it. `None`
+    /// when no row is overdue: rows waiting for their retry and live leases are not.
+    pub overdue_age_secs: Option<f64>,
+    /// PROCESSING rows whose lease expired, or (without a lease) whose attempt started longer
+    /// ago than the stale threshold.
     pub stale: i64,
     /// Rows that failed within the last hour (`last_failed_at`). For PROCESSED: rows processed
     /// in the last hour after an earlier failure within it.
@@ -322,6 +333,13 @@ pub struct RowDetail {
     pub last_received_at: DateTime<Utc>,
     /// Current or last attempt started.
     pub processing_started_at: Option<DateTime<Utc>>,
+    /// Leased processing: the worker holding (or last holding) the lease.
+    pub lease_owner: Option<String>,
+    /// Leased processing: when the lease runs out unless renewed (stale after it).
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    /// Leased processing: the fencing token of the current or last lease; each takeover
+    /// increments it, and only its holder can commit.
+    pub fencing_token: Option<i64>,
     /// Effect committed.
     pub processed_at: Option<DateTime<Utc>>,
     /// First failure.
@@ -460,18 +478,27 @@ impl Operations {
         let open = sqlx::query(sql(format!(
             "SELECT consumer_name, status, count(*) AS n, min(first_received_at) AS oldest, \
                extract(epoch FROM now() - min(first_received_at))::float8 AS age, \
-               count(*) FILTER (WHERE status = 'PROCESSING' \
-                 AND processing_started_at < now() - make_interval(secs => $2)) AS stale, \
+               extract(epoch FROM max({overdue}))::float8 AS overdue, \
+               count(*) FILTER (WHERE {stale}) AS stale, \
                count(*) FILTER (WHERE last_failed_at > now() - make_interval(secs => $3)) AS failed, \
                count(*) FILTER (WHERE delivery_count > 1 \
                  AND last_received_at > now() - make_interval(secs => $3)) AS dups, \
                count(*) FILTER (WHERE last_conflict_at > now() - make_interval(secs => $3)) AS conflicts \
              FROM {t} WHERE status <> 'PROCESSED' AND ($1::text IS NULL OR consumer_name = $1) \
-             GROUP BY consumer_name, status ORDER BY consumer_name, status"
+             GROUP BY consumer_name, status ORDER BY consumer_name, status",
+            stale = crate::store::stale_processing("$2"),
+            overdue = crate::store::overdue_by("$4"),
         )))
         .bind(query.consumer.as_deref())
         .bind(query.stale_after.as_secs_f64())
         .bind(recent)
+        .bind(
+            query
+                .retry_delays
+                .iter()
+                .map(Duration::as_secs_f64)
+                .collect::<Vec<_>>(),
+        )
         .fetch_all(&self.pool)
         .await?;
         let mut lines = Vec::with_capacity(open.len() + 1);
@@ -482,6 +509,9 @@ impl Operations {
                 rows: Some(row.try_get("n")?),
                 oldest_received_at: row.try_get("oldest")?,
                 oldest_age_secs: row.try_get("age")?,
+                overdue_age_secs: row
+                    .try_get::<Option<f64>, _>("overdue")?
+                    .filter(|secs| *secs > 0.0),
                 stale: row.try_get("stale")?,
                 failed_last_hour: row.try_get("failed")?,
                 duplicates_last_hour: row.try_get("dups")?,
@@ -514,6 +544,7 @@ impl Operations {
                     rows: None,
                     oldest_received_at: None,
                     oldest_age_secs: None,
+                    overdue_age_secs: None,
                     stale: 0,
                     failed_last_hour: row.try_get("failed")?,
                     duplicates_last_hour: row.try_get("dups")?,
@@ -539,6 +570,7 @@ impl Operations {
                         rows: Some(n),
                         oldest_received_at: None,
                         oldest_age_secs: None,
+                        overdue_age_secs: None,
                         stale: 0,
                         failed_last_hour: 0,
                         duplicates_last_hour: 0,
@@ -712,6 +744,9 @@ impl Operations {
                     first_received_at: row.try_get("first_received_at")?,
                     last_received_at: row.try_get("last_received_at")?,
                     processing_started_at: row.try_get("processing_started_at")?,
+                    lease_owner: row.try_get("lease_owner")?,
+                    lease_expires_at: row.try_get("lease_expires_at")?,
+                    fencing_token: row.try_get("fencing_token")?,
                     processed_at: row.try_get("processed_at")?,
                     first_failed_at: row.try_get("first_failed_at")?,
                     last_failed_at: row.try_get("last_failed_at")?,
