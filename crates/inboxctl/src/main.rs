@@ -177,7 +177,7 @@ enum Command {
     /// actions are refused.
     #[command(after_help = "Example:\n  \
         INBOX_ADMIN_READ_TOKENS=grafana=<secret> INBOX_ADMIN_ADMIN_TOKENS=alice=<secret> \\\n    \
-        inboxctl serve --listen 0.0.0.0:9464 --schema billing --queue billing.commands")]
+        inboxctl serve --listen 0.0.0.0:9480 --schema billing --queue billing.commands")]
     Serve(serve::ServeArgs),
     /// Check a live installation against the inbox review checklist: schema (migrations
     /// current, primary key with consumer_name, indexes, validated status check), the broker

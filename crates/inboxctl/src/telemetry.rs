@@ -61,22 +61,32 @@ impl ObserveArgs {
 /// Installs the Prometheus exporter serving the catalog at http://ADDR/metrics. Call inside
 /// the runtime.
 pub(crate) fn serve_metrics(addr: SocketAddr) -> anyhow::Result<()> {
-    prometheus(addr)?
+    prometheus()?
+        .with_http_listener(addr)
         .install()
         .with_context(|| format!("serving metrics at {addr}"))?;
     m::describe();
     Ok(())
 }
 
+/// Installs the Prometheus recorder without a listener of its own, for a server that renders
+/// it (`inboxctl serve` at `/metrics`).
+pub(crate) fn metrics_recorder() -> anyhow::Result<metrics_exporter_prometheus::PrometheusHandle> {
+    let handle = prometheus()?
+        .install_recorder()
+        .context("installing the Prometheus recorder")?;
+    m::describe();
+    Ok(handle)
+}
+
 /// The exporter with histogram buckets fitting the catalog: latencies from a millisecond to
 /// minutes, attempts as small integers.
-fn prometheus(addr: SocketAddr) -> anyhow::Result<PrometheusBuilder> {
+fn prometheus() -> anyhow::Result<PrometheusBuilder> {
     const SECONDS: [f64; 14] = [
         0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0,
     ];
     const ATTEMPTS: [f64; 8] = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0];
     Ok(PrometheusBuilder::new()
-        .with_http_listener(addr)
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS)?
         .set_buckets_for_metric(Matcher::Full(m::ATTEMPTS.into()), &ATTEMPTS)?)
 }

@@ -187,3 +187,102 @@ async fn consume_serves_the_catalog_to_prometheus() {
         .expect("exit status");
     assert!(status.success(), "{status}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_samples_the_inbox_gauges_of_the_consumers_it_is_told() {
+    let h = RandomState::new().hash_one((SystemTime::now(), std::process::id(), "serve"));
+    let schema = format!("t_serve_metrics_{h:016x}");
+    let queue = format!("t-{h:016x}-serve-metrics");
+    let config = order_service::config(
+        SchemaName::new(&schema).expect("schema name"),
+        &queue,
+        &format!("{queue}-x"),
+    );
+    let _cleanup = Cleanup {
+        config: config.clone(),
+    };
+    let migrated = Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+        .args(["migrate", "--schema", &schema])
+        .env("DATABASE_URL", database_url())
+        .output()
+        .await
+        .expect("inboxctl migrate runs");
+    assert!(migrated.status.success(), "{migrated:?}");
+    // Another service's inbox, seen only through the database: a claim stuck for an hour and
+    // two parked rows.
+    let pool = sqlx::PgPool::connect(&database_url()).await.expect("pool");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".message_inbox (message_id, consumer_name, message_type, \
+           message_version, status, processing_attempt, processing_started_at, last_failed_at, \
+           first_received_at, payload_sha256) \
+         SELECT id, 'billing', 'InvoiceIssued', 1, st, 1, now() - interval '1 hour', \
+           CASE WHEN st <> 'PROCESSING' THEN now() END, now() - interval '1 hour', '\\x00' \
+         FROM (VALUES ('stuck', 'PROCESSING'), ('bad-1', 'POISONED'), \
+           ('bad-2', 'PERMANENT_FAILED')) AS v(id, st)"
+    )))
+    .execute(&pool)
+    .await
+    .expect("rows inserted");
+    pool.close().await;
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut server = Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+        .args(["serve", "--listen", &addr, "--schema", &schema])
+        .args([
+            "--sample-consumer",
+            "billing",
+            "--sample-interval-secs",
+            "1",
+        ])
+        .env("DATABASE_URL", database_url())
+        .env("AMQP_URL", amqp_url())
+        .env_remove("INBOX_ADMIN_READ_TOKENS")
+        .env_remove("INBOX_ADMIN_ADMIN_TOKENS")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("inboxctl serve starts");
+
+    let stale = "rabbit_inbox_stale_processing_rows{consumer=\"billing\"}";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let text = loop {
+        let text = scrape(&addr).await.unwrap_or_default();
+        if sample(&text, stale).is_some() {
+            break text;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the sampled gauges never showed:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert_eq!(sample(&text, stale), Some(1.0), "{text}");
+    assert_eq!(
+        sample(&text, "rabbit_inbox_parked_rows{consumer=\"billing\"}"),
+        Some(2.0),
+        "{text}"
+    );
+    let oldest = sample(
+        &text,
+        "rabbit_inbox_oldest_unprocessed_age_seconds{consumer=\"billing\"}",
+    )
+    .expect("oldest unprocessed age");
+    assert!((3500.0..3700.0).contains(&oldest), "{text}");
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server.id().expect("pid") as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let status = tokio::time::timeout(Duration::from_secs(30), server.wait())
+        .await
+        .expect("server stops after SIGTERM")
+        .expect("exit status");
+    assert!(status.success(), "{status}");
+}

@@ -1,9 +1,11 @@
 //! What a running consumer tells the outside: metrics (the catalog in [`metrics`], gauges from
-//! the database by [`sampler`]) and a tracing span per delivery ([`trace`]).
+//! the database by [`InboxSampler`] and the consumer's own sampler) and a tracing span per delivery ([`trace`]).
 
 pub mod metrics;
 pub(crate) mod sampler;
 pub(crate) mod trace;
+
+pub use sampler::InboxSampler;
 
 use std::time::Duration;
 

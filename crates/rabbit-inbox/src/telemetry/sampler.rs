@@ -1,6 +1,7 @@
 //! The gauges that need the database, sampled by a task of the consumer at
 //! [`crate::TelemetryConfig::sample_interval`]: one query per tick over the index of open rows,
-//! and the dedup-window headroom every [`HEADROOM_EVERY`] ticks.
+//! and the dedup-window headroom every [`HEADROOM_EVERY`] ticks. [`InboxSampler`] runs the same
+//! outside a consumer (the admin server samples the consumers it serves).
 
 use std::time::Duration;
 
@@ -23,6 +24,46 @@ pub(crate) struct Sampler {
     pub(crate) retry: RetryPolicy,
     pub(crate) interval: Duration,
     pub(crate) replay_window: Option<Duration>,
+}
+
+/// Samples one consumer's inbox gauges (open, stale and parked rows, oldest unprocessed age,
+/// dedup-window headroom) into the installed `metrics` recorder, for a process that is not the
+/// consumer: an admin server, a sidecar. Several may sample one consumer; they write the same
+/// values.
+pub struct InboxSampler(Sampler);
+
+impl InboxSampler {
+    /// Samples `consumer` of the inbox in `schema` every `interval`, judging staleness and
+    /// retry waits by `retry` (the consumer's own policy).
+    pub fn new(
+        pool: PgPool,
+        schema: crate::SchemaName,
+        consumer: impl Into<String>,
+        retry: RetryPolicy,
+        interval: Duration,
+    ) -> Self {
+        Self(Sampler {
+            pool,
+            store: InboxStore::new(schema),
+            consumer: consumer.into(),
+            retry,
+            interval,
+            replay_window: None,
+        })
+    }
+
+    /// Also samples the dedup-window headroom against `window` (see
+    /// [`crate::TelemetryConfig::replay_window`]).
+    pub fn with_replay_window(mut self, window: Duration) -> Self {
+        self.0.replay_window = Some(window);
+        self
+    }
+
+    /// Samples until the future is dropped; a failed sample counts in
+    /// `rabbit_inbox_sampler_errors_total` and the gauges keep their last values.
+    pub async fn run(self) {
+        self.0.run().await;
+    }
 }
 
 impl Sampler {
