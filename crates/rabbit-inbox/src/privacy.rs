@@ -72,6 +72,9 @@ pub struct PayloadPrivacy {
     /// [`REDACTED`] before a body is stored, by message type; the entry `*` applies to every
     /// type.
     pub redact: BTreeMap<String, Vec<String>>,
+    /// Application headers (names compared case-insensitively) whose values are replaced by
+    /// [`REDACTED`] before the headers are stored, for every type.
+    pub redact_headers: Vec<String>,
     /// Seal every stored payload with this keyring.
     pub encryption: Option<Arc<Keyring>>,
 }
@@ -89,6 +92,13 @@ impl PayloadPrivacy {
             .entry(message_type.into())
             .or_default()
             .extend(pointers.iter().map(|p| (*p).to_owned()));
+        self
+    }
+
+    /// Redact the values of headers `names` (every type) before the headers are stored.
+    pub fn redact_headers(mut self, names: &[&str]) -> Self {
+        self.redact_headers
+            .extend(names.iter().map(|n| (*n).to_owned()));
         self
     }
 
@@ -180,6 +190,36 @@ impl PayloadRules {
                 Sealed::default()
             }
         }
+    }
+
+    /// The application headers to store beside `sealed` (what [`PayloadRules::seal`] gave for
+    /// the same envelope and phase), with the configured names redacted. Headers are part of
+    /// the message, so they follow its body: none when the policy keeps no body in this phase,
+    /// and none in clear when encryption is configured but the body was not sealed (no usable
+    /// tenant key: storing them would undo the shredding).
+    pub(crate) fn headers(
+        &self,
+        envelope: &Envelope,
+        phase: Phase,
+        sealed: &Sealed,
+    ) -> Option<serde_json::Map<String, serde_json::Value>> {
+        if !self.keeps(&envelope.message_type, phase)
+            || (self.privacy.encryption.is_some() && sealed.key_id.is_none())
+        {
+            return None;
+        }
+        let mut headers = envelope.headers.clone();
+        for (name, value) in headers.iter_mut() {
+            if self
+                .privacy
+                .redact_headers
+                .iter()
+                .any(|r| r.eq_ignore_ascii_case(name))
+            {
+                *value = serde_json::Value::String(REDACTED.to_owned());
+            }
+        }
+        Some(headers)
     }
 
     /// `body` with the configured fields of `message_type` redacted; `None` when there are

@@ -371,7 +371,8 @@ impl Sql {
             mark_processed: audited(format!(
                 "UPDATE {t} SET status = 'PROCESSED', processed_at = now(), \
                    payload = CASE WHEN $3 THEN payload ELSE NULL END, \
-                   payload_key_id = CASE WHEN $3 THEN payload_key_id ELSE NULL END \
+                   payload_key_id = CASE WHEN $3 THEN payload_key_id ELSE NULL END, \
+                   headers = CASE WHEN $3 THEN headers ELSE '{{}}'::jsonb END \
                  WHERE consumer_name = $1 AND message_id = ANY($2) AND status = 'PROCESSING'"
             )),
             // One statement records every kind of failure. It never overwrites PROCESSED (another
@@ -560,6 +561,22 @@ impl InboxStore {
         }
     }
 
+    /// The headers column for `envelope`, beside the body `sealed` stored for it.
+    fn stored_headers(
+        &self,
+        envelope: &Envelope,
+        phase: Phase,
+        sealed: &Sealed,
+    ) -> serde_json::Value {
+        match &self.payload {
+            None => storable_headers(&envelope.headers),
+            Some(rules) => match rules.headers(envelope, phase, sealed) {
+                Some(headers) => storable_headers(&headers),
+                None => serde_json::Value::Object(serde_json::Map::new()),
+            },
+        }
+    }
+
     /// The schema.
     pub fn schema(&self) -> &SchemaName {
         &self.schema
@@ -711,7 +728,8 @@ impl InboxStore {
             .bind(
                 sorted
                     .clone()
-                    .map(|e| storable_headers(&e.headers))
+                    .zip(&sealed)
+                    .map(|(e, s)| self.stored_headers(e, phase, s))
                     .collect::<Vec<_>>(),
             )
             .bind(
@@ -1042,7 +1060,8 @@ impl InboxStore {
             .bind(
                 failures
                     .iter()
-                    .map(|(e, _)| storable_headers(&e.headers))
+                    .zip(&sealed)
+                    .map(|((e, _), s)| self.stored_headers(e, Phase::Failed, s))
                     .collect::<Vec<_>>(),
             )
             .bind(column(&|_, f| Some(storable(f.code).into_owned())))

@@ -458,26 +458,33 @@ async fn sealed_and_redacted_payloads_are_republished_only_as_the_original_messa
     keyring.add("main-1", [7; 32]).expect("key");
     config.privacy = PayloadPrivacy::default()
         .redact("Card", &["/card"])
+        .redact_headers(&["x-user-email"])
         .encrypt_with(keyring.clone());
     env.declare(&config).await;
     let (handler, plan) = env.handler();
     plan.for_id("s1", Rule::FailAttempts(1));
     plan.for_id("r1", Rule::FailAttempts(1));
+    plan.for_id("h1", Rule::FailAttempts(1));
     let running = env.start(config.clone(), handler);
     let card = message(Some("r1"), "Card", &json!({ "card": "4111-1111", "n": 1 }));
     env.publish(&topology, &thing("s1", 1)).await;
     env.publish(&topology, &card).await;
-    for id in ["s1", "r1"] {
+    let mut personal = thing("h1", 3);
+    personal
+        .headers
+        .insert("x-user-email".into(), json!("d@example.com"));
+    env.publish(&topology, &personal).await;
+    for id in ["s1", "r1", "h1"] {
         env.wait_for_record("recover-svc", id, "failed once", |r| {
             r.status == InboxStatus::RetryableFailed
         })
         .await;
     }
-    wait_for("both retry copies in their tier", async || {
+    wait_for("the three retry copies in their tier", async || {
         env.broker
             .queue_depths(&topology, &config.retry)
             .await
-            .is_ok_and(|d| d.retry == 2)
+            .is_ok_and(|d| d.retry == 3)
     })
     .await;
     delete_queue(&topology.retry_tier_queues(&config.retry)[0]).await;
@@ -504,7 +511,7 @@ async fn sealed_and_redacted_payloads_are_republished_only_as_the_original_messa
         .recover(&env.broker, &actor(), &lost, &NoProgress)
         .await
         .expect("recovery runs");
-    assert_eq!((report.found, report.failed), (2, 2), "{report:?}");
+    assert_eq!((report.found, report.failed), (3, 3), "{report:?}");
     for m in &report.messages {
         assert_eq!(m.action, RecoveryAction::Failed, "{m:?}");
         let detail = m.detail.as_deref().unwrap_or_default();
@@ -535,7 +542,7 @@ async fn sealed_and_redacted_payloads_are_republished_only_as_the_original_messa
         .expect("recovery runs");
     assert_eq!(
         (report.found, report.republished, report.manual_review),
-        (2, 1, 1),
+        (3, 1, 2),
         "{report:?}"
     );
     let redacted = report
@@ -560,5 +567,20 @@ async fn sealed_and_redacted_payloads_are_republished_only_as_the_original_messa
     let row = env.record("recover-svc", "r1").await.expect("row");
     assert_eq!(row.status, InboxStatus::ManualReview);
     assert_eq!(env.effects("r1").await, 0, "a redacted copy never ran");
+    // Nor one whose stored headers were redacted: the handler would read "[redacted]".
+    let header = report
+        .messages
+        .iter()
+        .find(|m| m.message_id == "h1")
+        .expect("h1 found");
+    assert_eq!(header.action, RecoveryAction::ManualReview);
+    assert!(
+        header
+            .detail
+            .as_deref()
+            .is_some_and(|d| d.contains("x-user-email")),
+        "{header:?}"
+    );
+    assert_eq!(env.effects("h1").await, 0);
     running.stop().await;
 }

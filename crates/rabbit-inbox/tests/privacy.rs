@@ -106,7 +106,8 @@ async fn encrypted_payloads_round_trip_across_rotation_and_shredding_keeps_dedup
     })
     .await;
     assert_eq!(env.effects("a-1").await, 1, "the effect ran once");
-    // A new acme message is processed, with no payload (never clear text, never another key).
+    // A new acme message is processed, with no payload (never clear text, never another key)
+    // and no headers in clear either.
     env.publish(&topology, &tenant_message("a-2", "acme", body(4)))
         .await;
     env.wait_for_record("svc", "a-2", "processed", |r| {
@@ -116,7 +117,7 @@ async fn encrypted_payloads_round_trip_across_rotation_and_shredding_keeps_dedup
     assert_eq!(
         env.scalar(
             "SELECT count(*) FROM {s}.message_inbox WHERE message_id = 'a-2' \
-             AND payload IS NULL AND payload_key_id IS NULL"
+             AND payload IS NULL AND payload_key_id IS NULL AND headers = '{}'::jsonb"
         )
         .await,
         1
@@ -135,33 +136,44 @@ async fn storage_per_type_and_redaction_before_anything_is_stored() {
         .store("Audit", PayloadStorage::Always)
         .store("Secret", PayloadStorage::Never)
         .redact("*", &["/email"])
-        .redact("Card", &["/card/number"]);
+        .redact("Card", &["/card/number"])
+        .redact_headers(&["X-User-Email"]);
     env.declare(&config).await;
     let (handler, plan) = env.handler();
     plan.for_type("Card", Rule::Permanent);
     plan.for_type("Secret", Rule::Permanent);
     let running = env.start(config, handler);
 
+    // Every message also carries a personal header and a plain one.
+    let with_headers = |mut m: rabbit_inbox::OutgoingMessage| {
+        m.headers
+            .insert("x-user-email".into(), json!("c@example.com"));
+        m.headers.insert("x-source".into(), json!("web"));
+        m
+    };
     let card = json!({ "email": "a@example.com", "card": { "number": "4111", "exp": "12/30" } });
-    env.publish(&topology, &message(Some("c-1"), "Card", &card))
-        .await;
     env.publish(
         &topology,
-        &message(Some("s-1"), "Secret", &json!({ "ssn": "123" })),
+        &with_headers(message(Some("c-1"), "Card", &card)),
     )
     .await;
     env.publish(
         &topology,
-        &message(
+        &with_headers(message(Some("s-1"), "Secret", &json!({ "ssn": "123" }))),
+    )
+    .await;
+    env.publish(
+        &topology,
+        &with_headers(message(
             Some("a-1"),
             "Audit",
             &json!({ "email": "b@example.com", "x": 1 }),
-        ),
+        )),
     )
     .await;
     env.publish(
         &topology,
-        &message(Some("p-1"), "Plain", &json!({ "x": 2 })),
+        &with_headers(message(Some("p-1"), "Plain", &json!({ "x": 2 }))),
     )
     .await;
     for (id, status) in [
@@ -199,6 +211,31 @@ async fn storage_per_type_and_redaction_before_anything_is_stored() {
     let audit: serde_json::Value =
         serde_json::from_slice(&stored(&env, "svc", "a-1").await.bytes).expect("json");
     assert_eq!(audit, json!({ "email": REDACTED, "x": 1 }));
+
+    // Headers follow the body: kept (the configured names redacted) where it is kept, and
+    // not at all where it is not.
+    let headers = |id: &'static str| {
+        let env = &env;
+        async move {
+            sqlx::query_scalar::<_, serde_json::Value>(sqlx::AssertSqlSafe(format!(
+                "SELECT headers FROM \"{}\".message_inbox WHERE consumer_name = 'svc' \
+                 AND message_id = $1",
+                env.schema
+            )))
+            .bind(id)
+            .fetch_one(&env.pool)
+            .await
+            .expect("row")
+        }
+    };
+    for id in ["c-1", "a-1"] {
+        let h = headers(id).await;
+        assert_eq!(h["x-user-email"], REDACTED, "{id}: {h}");
+        assert_eq!(h["x-source"], "web", "{id}: {h}");
+    }
+    for id in ["s-1", "p-1"] {
+        assert_eq!(headers(id).await, json!({}), "{id}");
+    }
 }
 
 /// A LOGIN role with a random name, dropped (with its grants) when this goes away.

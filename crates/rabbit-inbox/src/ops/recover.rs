@@ -531,6 +531,17 @@ impl Operations {
             serde_json::Value::Object(map) => map,
             _ => serde_json::Map::new(),
         };
+        // Nor are redacted headers: the handler would read "[redacted]" where a value was.
+        if let Some(name) = headers
+            .iter()
+            .find(|(_, v)| v.as_str() == Some(crate::privacy::REDACTED))
+            .map(|(k, _)| k.clone())
+        {
+            return Ok(Err(Unrepublishable::Lost(format!(
+                "header {name:?} is stored redacted, not as the message had it: the producer \
+                 must send it again"
+            ))));
+        }
         headers.insert(RECOVERY_HEADER.into(), json!(m.cause.code()));
         Ok(Ok(OutgoingMessage {
             message_id: Some(m.message_id.clone()),
