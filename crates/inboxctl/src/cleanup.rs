@@ -6,7 +6,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use rabbit_inbox::{
     RetentionMode, RetentionPolicy, RetryPolicy, TypeRetention,
-    ops::{Actor, CleanupReport, CleanupRequest, Operations},
+    ops::{Actor, CleanupReport, CleanupRequest, Operations, OpsError},
 };
 
 use crate::{
@@ -137,10 +137,16 @@ pub(crate) async fn run(servers: &Servers, args: CleanupArgs) -> anyhow::Result<
     let bar = args
         .inbox
         .progress(if args.dry_run { "counting" } else { "cleaning" });
-    let report = ops
-        .cleanup(&request, &bar)
-        .await
-        .with_context(|| format!("cleanup of {}", request.consumer))?;
+    let report = match ops.cleanup(&request, &bar).await {
+        Ok(report) => report,
+        // Refused (an unsafe window, another cleaner at work): exit 1, like every refusal.
+        Err(OpsError::Refused(why)) => {
+            drop(bar);
+            eprintln!("cleanup of {}: refused: {why}", request.consumer);
+            return Ok(ExitCode::FAILURE);
+        }
+        Err(e) => return Err(e).with_context(|| format!("cleanup of {}", request.consumer)),
+    };
     drop(bar);
     args.inbox.print(&report, render)?;
     Ok(ExitCode::SUCCESS)

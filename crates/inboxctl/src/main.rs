@@ -152,7 +152,7 @@ enum Command {
     Recover(recover::RecoverArgs),
     /// Retention for one consumer: scrub payloads, remove expired rows (tombstones kept;
     /// archived with --archive), expire tombstones. Bounded batches, safe beside running
-    /// consumers, one cleaner at a time. Refused (exit 2) when the dedup window is shorter
+    /// consumers, one cleaner at a time. Refused (exit 1) when the dedup window is shorter
     /// than the redelivery horizon, unless forced with an actor and a reason (audited).
     #[command(after_help = "Examples:\n  \
         inboxctl cleanup --schema order_service --consumer order-service --dry-run\n  \

@@ -6,11 +6,13 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use rabbit_inbox::{
     RetryPolicy,
-    ops::{Actor, Operations, RecoverRequest, RecoveryPolicy, RecoveryReport},
+    ops::{Operations, RecoverRequest, RecoveryPolicy, RecoveryReport},
 };
 
 use crate::{
-    Servers, connect,
+    Servers,
+    actor::ActorArgs,
+    connect,
     report::{InboxArgs, table},
 };
 
@@ -31,15 +33,9 @@ pub(crate) struct RecoverArgs {
     /// The consumer's work queue, where republished copies go.
     #[arg(long)]
     queue: String,
-    /// Who runs the recovery (written to the audit trail).
-    #[arg(long)]
-    actor: String,
-    /// Why (written to the audit trail).
-    #[arg(long)]
-    reason: String,
-    /// Ticket to cite in the audit trail.
-    #[arg(long)]
-    ticket: Option<String>,
+    /// Who runs the recovery and why (audited; not needed for --dry-run).
+    #[command(flatten)]
+    actor: ActorArgs,
     /// Republish, or set aside for manual review.
     #[arg(long, value_enum, default_value = "retry")]
     policy: Policy,
@@ -70,8 +66,12 @@ pub(crate) async fn run(servers: &Servers, args: RecoverArgs) -> anyhow::Result<
     let Some(consumer) = args.inbox.consumer.clone() else {
         anyhow::bail!("--consumer is required: recovery acts on one consumer's rows");
     };
-    let actor =
-        Actor::new(&args.actor, &args.reason)?.with_ticket(args.ticket.clone().unwrap_or_default());
+    // A dry run changes nothing, so it needs no one to answer for it.
+    let actor = if args.dry_run {
+        None
+    } else {
+        Some(args.actor.required()?)
+    };
     let mut retry = if args.retry_delays.is_empty() {
         RetryPolicy::default()
     } else {
@@ -92,15 +92,22 @@ pub(crate) async fn run(servers: &Servers, args: RecoverArgs) -> anyhow::Result<
         dry_run: args.dry_run,
     };
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
-    let broker = connect::rabbitmq(&servers.amqp_url).await?;
     let ops = Operations::new(pool, args.inbox.schema()?);
-    let report = {
-        let bar = args.inbox.progress("recovering");
-        ops.recover(&broker, &actor, &request, &bar)
+    let report = match &actor {
+        None => ops
+            .recover_preview(&request)
             .await
-            .context("recovery failed")?
+            .context("recovery dry run failed")?,
+        Some(actor) => {
+            let broker = connect::rabbitmq(&servers.amqp_url).await?;
+            let report = {
+                let bar = args.inbox.progress("recovering");
+                ops.recover(&broker, actor, &request, &bar).await
+            };
+            broker.close().await;
+            report.context("recovery failed")?
+        }
     };
-    broker.close().await;
     args.inbox.print(&report, render)?;
     Ok(if report.failed > 0 {
         eprintln!(

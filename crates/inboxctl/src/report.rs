@@ -46,14 +46,13 @@ impl InboxArgs {
         let bar = if self.json || !std::io::stderr().is_terminal() {
             indicatif::ProgressBar::hidden()
         } else {
-            indicatif::ProgressBar::new(0)
+            indicatif::ProgressBar::no_length()
         };
+        // A count until the operation knows its total (cleanup never does: counting first
+        // would be a scan of what it deletes).
         bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{msg} [{bar:30}] {pos}/{len} ({per_sec}, eta {eta})",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-            .progress_chars("=> "),
+            indicatif::ProgressStyle::with_template("{spinner} {msg} {pos} ({per_sec})")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
         );
         bar.set_message(what.to_owned());
         bar.enable_steady_tick(Duration::from_millis(250));
@@ -79,6 +78,13 @@ pub(crate) struct Bar(indicatif::ProgressBar);
 
 impl Progress for Bar {
     fn set_total(&self, total: u64) {
+        self.0.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{msg} [{bar:30}] {pos}/{len} ({per_sec}, eta {eta})",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
         self.0.set_length(total);
     }
 

@@ -121,7 +121,7 @@ async fn cleanup_and_grants_from_the_command_line() {
         "--no-scrub",
     ])
     .await;
-    assert!(!refused.status.success());
+    assert_eq!(refused.status.code(), Some(1), "a refusal exits 1");
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(
         stderr.contains("unsafe retention window") && stderr.contains("at least 14days"),

@@ -228,6 +228,11 @@ pub struct ConsumerConfig {
     /// Retention, run by the consumer every `retention.interval` (and by `inboxctl cleanup`);
     /// its dedup window is checked against `retry` at start-up.
     pub retention: Option<RetentionPolicy>,
+    /// Who accepted a `retention` whose dedup window fails the check, and why. Without it such
+    /// a configuration is refused at start-up; with it the consumer starts (with a warning),
+    /// and every cleanup its timer runs is written to `inbox_audit` under this actor, as a
+    /// forced `inboxctl cleanup` is.
+    pub retention_window_forced_by: Option<crate::ops::Actor>,
     /// First reconnect delay after losing the broker or the database; doubles up to
     /// `reconnect_max_delay`.
     pub reconnect_initial_delay: Duration,
@@ -274,6 +279,7 @@ impl ConsumerConfig {
             payload_storage: PayloadStorage::FailedOnly,
             privacy: PayloadPrivacy::default(),
             retention: None,
+            retention_window_forced_by: None,
             reconnect_initial_delay: Duration::from_millis(200),
             reconnect_max_delay: Duration::from_secs(10),
             recovery: None,
@@ -438,7 +444,17 @@ impl ConsumerConfig {
         }
         if let Some(retention) = &self.retention {
             retention.validate()?;
-            retention.check_window(&self.retry)?;
+            if let Err(unsafe_window) = retention.check_window(&self.retry) {
+                let Some(actor) = &self.retention_window_forced_by else {
+                    return Err(unsafe_window);
+                };
+                tracing::warn!(
+                    consumer = %self.consumer_name,
+                    actor = actor.name(),
+                    reason = actor.reason(),
+                    "{unsafe_window}; accepted, every cleanup is audited"
+                );
+            }
         }
         if self.reconnect_initial_delay.is_zero()
             || self.reconnect_max_delay < self.reconnect_initial_delay

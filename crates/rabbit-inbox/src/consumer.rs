@@ -296,11 +296,12 @@ impl<H> Consumer<H> {
         let interval = retention.interval?;
         let ops =
             crate::ops::Operations::new(self.processor.pool().clone(), self.config.schema.clone());
-        let request = crate::ops::CleanupRequest::new(
+        let mut request = crate::ops::CleanupRequest::new(
             &self.config.consumer_name,
             retention,
             self.config.retry.clone(),
         );
+        request.force = self.config.retention_window_forced_by.clone();
         let mut task = tokio::task::JoinSet::new();
         task.spawn(async move {
             let mut tick = tokio::time::interval(interval);

@@ -221,7 +221,7 @@ async fn an_unsafe_window_is_refused_at_start_up_and_by_cleanup_unless_forced() 
 
     seed(&env, "svc", "m-", 30, 2).await;
     let ops = ops(&env);
-    let mut req = request(&env, "svc", unsafe_policy);
+    let mut req = request(&env, "svc", unsafe_policy.clone());
     match ops.cleanup(&req, &NoProgress).await {
         Err(OpsError::Refused(why)) => {
             assert!(why.contains("set retention.processed to at least"), "{why}");
@@ -257,6 +257,35 @@ async fn an_unsafe_window_is_refused_at_start_up_and_by_cleanup_unless_forced() 
         )
         .await,
         1
+    );
+
+    // The consumer starts with the same window once someone accepted it, and its timer's
+    // cleanups are audited under that actor.
+    let topology = env.topology("forced");
+    let mut config = env.config("forced-svc", topology.clone());
+    config.retention = Some(RetentionPolicy {
+        interval: Some(Duration::from_millis(200)),
+        ..unsafe_policy
+    });
+    config.retention_window_forced_by =
+        Some(Actor::new("bob", "replays disabled for this consumer").expect("actor"));
+    env.declare(&config).await;
+    seed(&env, "forced-svc", "later-", 10, 2).await;
+    let (handler, _) = env.handler();
+    let running = env.start(config, handler);
+    wait_for("the forced timer's cleanup", async || {
+        env.scalar("SELECT count(*) FROM {s}.message_inbox WHERE message_id LIKE 'later-%'")
+            .await
+            == 0
+    })
+    .await;
+    running.stop().await;
+    assert!(
+        env.scalar(
+            "SELECT count(*) FROM {s}.inbox_audit WHERE action = 'cleanup_forced' AND actor = 'bob'"
+        )
+        .await
+            >= 1
     );
 }
 
