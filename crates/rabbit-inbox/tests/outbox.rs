@@ -608,6 +608,78 @@ async fn rows_of_one_key_are_published_in_commit_order() {
 }
 
 #[tokio::test]
+async fn a_gap_in_a_keys_positions_does_not_let_a_later_row_overtake() {
+    let env = TestEnv::new().await;
+    let downstream = target(&env, "gap").await;
+    // The first row goes to a queue that does not exist yet: returned, it stays PENDING.
+    let later = env.register(Topology::new(format!("t-{}-gap-later", env.id)));
+    let outbox = Outbox::new(env.schema.clone());
+    let first = OutboxMessage::json("Step", "", &later.queue, &json!({ "n": 1 }))
+        .expect("json")
+        .with_ordering_key("k")
+        .with_id("dup");
+    // Two transactions enqueue the same id for one key at once (a retried web request, a
+    // takeover of a stale claim): the second waits for the key's lock, finds the id taken
+    // and writes no row, but its position is gone: a gap.
+    let mut tx1 = env.pool.begin().await.expect("begin");
+    outbox.enqueue(&mut tx1, &first).await.expect("enqueue");
+    let racing = {
+        let pool = env.pool.clone();
+        let outbox = outbox.clone();
+        let first = first.clone();
+        tokio::spawn(async move {
+            let mut tx2 = pool.begin().await.expect("begin");
+            outbox.enqueue(&mut tx2, &first).await.expect("enqueue");
+            tx2.commit().await.expect("commit");
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tx1.commit().await.expect("commit");
+    racing.await.expect("second writer");
+    let mut conn = env.pool.acquire().await.expect("connection");
+    let next = OutboxMessage::json("Step", "", &downstream.queue, &json!({ "n": 2 }))
+        .expect("json")
+        .with_ordering_key("k")
+        .with_id("next");
+    outbox.enqueue(&mut conn, &next).await.expect("enqueue");
+    let positions: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT message_id, stream_position FROM \"{}\".outbox ORDER BY seq",
+        env.schema
+    )))
+    .fetch_all(&env.pool)
+    .await
+    .expect("positions");
+    assert_eq!(
+        positions,
+        [("dup".to_owned(), 1), ("next".to_owned(), 3)],
+        "the race left a gap"
+    );
+
+    let relay = RunningRelay::start(&env, relay_config(&env));
+    wait_for("a return of the first row", async || {
+        relay.stats.snapshot().returned >= 2
+    })
+    .await;
+    // Past the gap, the second row still waits for the first.
+    assert_quiet(&env, &downstream.queue, Duration::from_millis(800)).await;
+    env.broker
+        .declare(&later, &util::test_retry())
+        .await
+        .expect("declare");
+    assert_eq!(
+        take(&env, &later.queue, 1).await[0].message_id.as_deref(),
+        Some("dup")
+    );
+    assert_eq!(
+        take(&env, &downstream.queue, 1).await[0]
+            .message_id
+            .as_deref(),
+        Some("next")
+    );
+    relay.stop().await;
+}
+
+#[tokio::test]
 async fn an_idle_relay_wakes_on_commit_and_after_losing_its_listener() {
     let env = TestEnv::new().await;
     let downstream = target(&env, "wake").await;

@@ -226,8 +226,13 @@ impl Sql {
                    AS notified \
                  FROM inserted i"
             )),
-            // Pending rows whose lease is free; an ordered row only when its predecessor is
-            // SENT or gone (a gap), so one key is published one message at a time, in order.
+            // Pending rows whose lease is free; an ordered row only when the nearest earlier
+            // row of its key is SENT (or there is none left), so one key is published one
+            // message at a time, in order. Nearest, not "position - 1": positions can have
+            // gaps (a duplicate id enqueued by two transactions at once takes a position and
+            // then no row), and a row past a gap must still wait for the rows before it. One
+            // backward step on the (ordering_key, stream_position) index; by induction every
+            // earlier row is then SENT too (retention removes only SENT rows).
             // No read position by seq: a transaction that commits after a later seq is
             // claimed like any other row, never skipped. SKIP LOCKED and the lease re-check
             // on a row another relay just claimed keep two relays from claiming one row.
@@ -236,9 +241,10 @@ impl Sql {
                    SELECT o.seq FROM {t} o \
                    WHERE o.status = 'PENDING' AND o.next_attempt_at <= now() \
                      AND (o.lease_until IS NULL OR o.lease_until < now()) \
-                     AND (o.ordering_key IS NULL OR NOT EXISTS ( \
-                       SELECT 1 FROM {t} p WHERE p.ordering_key = o.ordering_key \
-                         AND p.stream_position = o.stream_position - 1 AND p.status <> 'SENT')) \
+                     AND (o.ordering_key IS NULL OR coalesce(( \
+                       SELECT p.status FROM {t} p WHERE p.ordering_key = o.ordering_key \
+                         AND p.stream_position < o.stream_position \
+                       ORDER BY p.stream_position DESC LIMIT 1), 'SENT') = 'SENT') \
                    ORDER BY o.seq LIMIT $1 \
                    FOR UPDATE OF o SKIP LOCKED) \
                  UPDATE {t} o SET lease_owner = $2, lease_epoch = o.lease_epoch + 1, \
