@@ -86,9 +86,9 @@ pub use lease::{LEASE_LOST, Lease, LeaseConfig, LeaseError, Leased, LeasedHandle
 #[cfg(feature = "fault-injection")]
 pub use outbox::RelayFaults;
 pub use outbox::{
-    Enqueued, MessageOutbox, Outbox, OutboxError, OutboxMessage, OutboxRecord, OutboxStatus,
-    OutboxStore, OutboxSummary, Relay, RelayConfig, RelayError, RelayStats, RelayStatsSnapshot,
-    emitted_message_id,
+    Enqueued, MessageOutbox, OUTBOX_MAX_PAYLOAD_BYTES, Outbox, OutboxError, OutboxMessage,
+    OutboxRecord, OutboxStatus, OutboxStore, OutboxSummary, Relay, RelayConfig, RelayError,
+    RelayStats, RelayStatsSnapshot, emitted_message_id,
 };
 pub use processor::{Outcome, PAYLOAD_CONFLICT, TRANSACTION_ABORTED};
 pub use retention::{RetentionMode, RetentionPolicy, TypeRetention};

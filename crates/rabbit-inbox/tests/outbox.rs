@@ -608,6 +608,108 @@ async fn rows_of_one_key_are_published_in_commit_order() {
 }
 
 #[tokio::test]
+async fn what_the_broker_could_never_take_is_refused_at_enqueue_or_given_up() {
+    let env = TestEnv::new().await;
+    let downstream = target(&env, "refused").await;
+    let mut conn = env.pool.acquire().await.expect("connection");
+    let outbox = Outbox::new(env.schema.clone()).with_max_payload_bytes(64);
+    let big = OutboxMessage::json(
+        "Big",
+        "",
+        &downstream.queue,
+        &json!({ "x": "y".repeat(100) }),
+    )
+    .expect("json");
+    let err = outbox.enqueue(&mut conn, &big).await.expect_err("too big");
+    assert!(err.to_string().contains("at most 64"), "{err}");
+    let mut typed = OutboxMessage::json("Typed", "", &downstream.queue, &json!({})).expect("json");
+    typed.content_type = "x".repeat(300);
+    let err = outbox
+        .enqueue(&mut conn, &typed)
+        .await
+        .expect_err("long type");
+    assert!(err.to_string().contains("content type"), "{err}");
+
+    // A row written around the API (an older version, a hand-made SQL insert) with such a
+    // content type: the relay gives it up as unpublishable and goes on with the next row.
+    let ok = OutboxMessage::json("Fine", "", &downstream.queue, &json!({}))
+        .expect("json")
+        .with_id("fine");
+    outbox.enqueue(&mut conn, &ok).await.expect("enqueue");
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE \"{}\".outbox SET content_type = repeat('x', 300), message_id = 'bad' \
+         WHERE message_id = 'fine'",
+        env.schema
+    )))
+    .execute(&mut *conn)
+    .await
+    .expect("row changed");
+    outbox.enqueue(&mut conn, &ok).await.expect("enqueue");
+    let relay = RunningRelay::start(&env, relay_config(&env));
+    let got = take(&env, &downstream.queue, 1).await;
+    assert_eq!(got[0].message_id.as_deref(), Some("fine"));
+    let store = OutboxStore::new(env.schema.clone());
+    wait_for("the bad row FAILED", async || {
+        store
+            .list(&mut conn, &[OutboxStatus::Failed], 10)
+            .await
+            .expect("list")
+            .iter()
+            .any(|r| r.message_id == "bad" && r.last_error_code.as_deref() == Some("unpublishable"))
+    })
+    .await;
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn a_relay_without_a_broker_claims_nothing_and_publishes_once_it_is_back() {
+    let env = TestEnv::new().await;
+    let downstream = target(&env, "outage").await;
+    let outbox = Outbox::new(env.schema.clone());
+    let mut conn = env.pool.acquire().await.expect("connection");
+    for i in 0..3 {
+        let m = OutboxMessage::json("Step", "", &downstream.queue, &json!({ "i": i }))
+            .expect("json")
+            .with_id(format!("o-{i}"));
+        outbox.enqueue(&mut conn, &m).await.expect("enqueue");
+    }
+    // Nothing listens on port 1: an outage from the start.
+    let relay = Relay::new(
+        "amqp://guest:guest@127.0.0.1:1/%2f".to_owned(),
+        env.pool.clone(),
+        relay_config(&env),
+    )
+    .expect("relay config");
+    let stats = relay.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(relay.run(async move {
+        let _ = stopped.await;
+    }));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let _ = stop.send(());
+    tokio::time::timeout(DEADLINE, task)
+        .await
+        .expect("stops")
+        .expect("no panic")
+        .expect("no fatal error");
+    // It backed off instead of claiming and releasing the rows in a loop.
+    assert_eq!(stats.snapshot().claimed, 0, "{:?}", stats.snapshot());
+    assert_eq!(status_counts(&env).await.get("PENDING"), Some(&3));
+    let attempts: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT coalesce(sum(attempts), 0) FROM \"{}\".outbox",
+        env.schema
+    )))
+    .fetch_one(&env.pool)
+    .await
+    .expect("attempts");
+    assert_eq!(attempts, 0, "an outage is not the messages' fault");
+
+    let relay = RunningRelay::start(&env, relay_config(&env));
+    take(&env, &downstream.queue, 3).await;
+    relay.stop().await;
+}
+
+#[tokio::test]
 async fn a_gap_in_a_keys_positions_does_not_let_a_later_row_overtake() {
     let env = TestEnv::new().await;
     let downstream = target(&env, "gap").await;

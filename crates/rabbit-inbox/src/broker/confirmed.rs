@@ -43,8 +43,8 @@ pub(crate) enum PublishResult {
 
 /// A connection and confirm channel, opened on first use and reopened after a failure.
 ///
-/// Takes one AMQP URL. A cluster's several addresses would be tried here, in `open`, the only
-/// place the relay connects.
+/// Takes an AMQP URL or a cluster's comma-separated list (see [`super::AmqpAddresses`]),
+/// connecting in `open`, the only place the relay connects.
 pub(crate) struct ConfirmedLink {
     amqp_url: String,
     connection_name: String,
@@ -89,6 +89,17 @@ impl ConfirmedLink {
             .ok_or_else(|| BrokerError::NotConfirmed("no publishing link".into()))
     }
 
+    /// Opens the connection and confirm channel if they are not open.
+    pub(crate) async fn connect(&mut self) -> Result<(), BrokerError> {
+        self.open().await.map(|_| ())
+    }
+
+    /// Drops the link (its connection closes); the next use reconnects. For a round abandoned
+    /// midway, whose channel may still owe confirms.
+    pub(crate) fn reset(&mut self) {
+        self.link = None;
+    }
+
     /// Publishes `items` in order (mandatory, persistent as built) and waits at most `timeout`
     /// for all confirms. One result per item, in order.
     pub(crate) async fn publish_all(
@@ -125,13 +136,18 @@ impl ConfirmedLink {
                 results[i] = Some(PublishResult::Unconfirmed(format!("{e}")));
                 continue;
             }
-            let properties = match item.message.properties() {
-                Ok(p) => p.with_content_type(item.content_type.as_str().into()),
-                Err(e) => {
-                    results[i] = Some(PublishResult::Unpublishable(e.to_string()));
-                    continue;
-                }
-            };
+            // A row written before the outbox checked its content type could hold one AMQP
+            // cannot carry: unpublishable, never a panic.
+            let properties =
+                match item.message.properties().and_then(|p| {
+                    Ok(p.with_content_type(short("content type", &item.content_type)?))
+                }) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        results[i] = Some(PublishResult::Unpublishable(e.to_string()));
+                        continue;
+                    }
+                };
             let (exchange, routing_key) = match (
                 short("exchange", &item.exchange),
                 short("routing key", &item.routing_key),

@@ -41,6 +41,11 @@ use store::NewRow;
 /// Longest id, type, exchange, routing key or ordering key: AMQP carries them as short strings.
 const MAX_NAME_BYTES: usize = 255;
 
+/// The largest payload [`Outbox::new`] accepts: RabbitMQ 4's default `max_message_size`
+/// (16 MiB). A larger message would make the broker close the relay's channel on every try,
+/// holding up the rows behind it, so it is refused when it is written instead.
+pub const OUTBOX_MAX_PAYLOAD_BYTES: usize = 16 * 1024 * 1024;
+
 /// A message to write to the outbox.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OutboxMessage {
@@ -178,9 +183,17 @@ impl OutboxMessage {
         )
     }
 
-    fn validate(&self, message_id: &str) -> Result<(), OutboxError> {
+    fn validate(&self, message_id: &str, max_payload_bytes: usize) -> Result<(), OutboxError> {
+        if self.payload.len() > max_payload_bytes {
+            return Err(OutboxError::Invalid(format!(
+                "payload is {} bytes; at most {max_payload_bytes} (Outbox::with_max_payload_bytes, \
+                 within the broker's max_message_size)",
+                self.payload.len()
+            )));
+        }
         let names = [
             ("message id", Some(message_id)),
+            ("content type", Some(self.content_type.as_str())),
             ("message type", Some(self.message_type.as_str())),
             ("exchange", Some(self.exchange.as_str())),
             ("routing key", Some(self.routing_key.as_str())),
@@ -286,6 +299,7 @@ pub struct Enqueued {
 pub struct Outbox {
     store: OutboxStore,
     notify: bool,
+    max_payload_bytes: usize,
 }
 
 impl Outbox {
@@ -294,7 +308,15 @@ impl Outbox {
         Self {
             store: OutboxStore::new(schema),
             notify: true,
+            max_payload_bytes: OUTBOX_MAX_PAYLOAD_BYTES,
         }
+    }
+
+    /// Refuses payloads larger than `bytes` when they are written ([`OUTBOX_MAX_PAYLOAD_BYTES`]
+    /// by default). Keep it within the broker's `max_message_size`.
+    pub fn with_max_payload_bytes(mut self, bytes: usize) -> Self {
+        self.max_payload_bytes = bytes;
+        self
     }
 
     /// Whether an enqueue sends the relays a NOTIFY (delivered at commit). On by default: the
@@ -334,7 +356,7 @@ impl Outbox {
         m: &OutboxMessage,
         message_id: String,
     ) -> Result<Enqueued, OutboxError> {
-        m.validate(&message_id)?;
+        m.validate(&message_id, self.max_payload_bytes)?;
         let row = NewRow {
             message_id: &message_id,
             exchange: &m.exchange,

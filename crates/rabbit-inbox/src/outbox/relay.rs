@@ -264,6 +264,10 @@ pub struct Relay {
 /// What one round did.
 struct Round {
     claimed: usize,
+    /// An ordered row was marked SENT: the next row of its key can be claimed now.
+    ordered_sent: bool,
+    /// The broker could not be reached, or every publish of the round went unconfirmed.
+    outage: Option<String>,
 }
 
 impl Relay {
@@ -321,10 +325,22 @@ impl Relay {
                 break;
             }
             match self.round(&mut link).await {
+                Ok(Round {
+                    outage: Some(why), ..
+                }) => {
+                    // Rows were not claimed, or were released: wait before trying again.
+                    let delay = backoff.failed();
+                    tracing::warn!(error = %why, retry_in = ?delay, relay = %c.name, "broker unavailable to the outbox relay");
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => break,
+                        () = tokio::time::sleep(delay) => continue,
+                    }
+                }
                 Ok(round) => {
                     backoff.succeeded();
-                    if round.claimed == c.batch_size {
-                        continue; // more is waiting
+                    if round.claimed == c.batch_size || round.ordered_sent {
+                        continue; // more is waiting, or claimable now
                     }
                 }
                 Err(e) => {
@@ -353,22 +369,58 @@ impl Relay {
         Ok(())
     }
 
-    /// Claim, publish, settle.
+    /// Connect, claim, publish, settle.
     async fn round(&self, link: &mut ConfirmedLink) -> Result<Round, StoreError> {
         let c = &self.config;
+        // Connected before claiming, so a broker outage claims (and releases) nothing, and
+        // the lease is not spent on connecting.
+        if let Err(e) = link.connect().await {
+            return Ok(Round {
+                claimed: 0,
+                ordered_sent: false,
+                outage: Some(e.to_string()),
+            });
+        }
         let mut conn = self.pool.acquire().await?;
         let rows = self
             .store
             .claim(&mut conn, &c.name, c.batch_size, c.lease)
             .await?;
         if rows.is_empty() {
-            return Ok(Round { claimed: 0 });
+            return Ok(Round {
+                claimed: 0,
+                ordered_sent: false,
+                outage: None,
+            });
         }
         let claimed_at = Instant::now();
         self.stats.rounds.fetch_add(1, Relaxed);
         self.stats.claimed.fetch_add(rows.len() as u64, Relaxed);
         let publications: Vec<Publication> = rows.iter().map(publication).collect();
-        let results = link.publish_all(&publications, c.confirm_timeout).await;
+        // Everything up to the marks within half the lease, so they land before another relay
+        // may take the rows over: what is not confirmed by then is released, not marked.
+        let budget = c.lease / 2;
+        let results =
+            match tokio::time::timeout(budget, link.publish_all(&publications, c.confirm_timeout))
+                .await
+            {
+                Ok(results) => results,
+                Err(_) => {
+                    link.reset();
+                    let why = format!("publishing took longer than {budget:?} (half the lease)");
+                    publications
+                        .iter()
+                        .map(|_| PublishResult::Unconfirmed(why.clone()))
+                        .collect()
+                }
+            };
+        let outage = results
+            .iter()
+            .all(|r| matches!(r, PublishResult::Unconfirmed(_)))
+            .then(|| match results.first() {
+                Some(PublishResult::Unconfirmed(why)) => why.clone(),
+                _ => "no publish confirmed".to_owned(),
+            });
         let confirmed_after = claimed_at.elapsed();
         let settled: Vec<(i64, i64, Settlement)> = rows
             .iter()
@@ -383,6 +435,8 @@ impl Relay {
             );
             return Ok(Round {
                 claimed: rows.len(),
+                ordered_sent: false,
+                outage: None,
             });
         }
         let retry = RetryBackoff {
@@ -393,8 +447,13 @@ impl Relay {
         };
         let changed = self.store.settle(&mut conn, &settled, retry).await?;
         self.count(&rows, &settled, &changed, confirmed_after);
+        let ordered_sent = rows.iter().zip(&settled).any(|(row, (seq, _, how))| {
+            row.ordered && *how == Settlement::Sent && changed.contains(seq)
+        });
         Ok(Round {
             claimed: rows.len(),
+            ordered_sent,
+            outage,
         })
     }
 

@@ -135,6 +135,8 @@ pub(crate) struct ClaimedRow {
     pub(crate) content_type: String,
     pub(crate) payload: Vec<u8>,
     /// Seconds since the row was enqueued, when it was claimed (database clock).
+    /// It has an ordering key: the next row of its key waits for this one.
+    pub(crate) ordered: bool,
     pub(crate) age_secs: f64,
 }
 
@@ -253,7 +255,7 @@ impl Sql {
                  RETURNING o.seq, o.lease_epoch, o.message_id, o.exchange, o.routing_key, \
                    o.message_type, o.message_version, o.aggregate_type, o.aggregate_id, \
                    o.correlation_id, o.causation_id, o.traceparent, o.tracestate, o.headers, \
-                   o.content_type, o.payload, \
+                   o.content_type, o.payload, o.ordering_key IS NOT NULL AS ordered, \
                    extract(epoch FROM now() - o.enqueued_at)::float8 AS age_secs"
             )),
             // Only under the claim's fencing token: a relay whose lease expired and was taken
@@ -399,6 +401,7 @@ impl OutboxStore {
                     headers: r.try_get::<sqlx::types::Json<Value>, _>("headers")?.0,
                     content_type: r.try_get("content_type")?,
                     payload: r.try_get("payload")?,
+                    ordered: r.try_get("ordered")?,
                     age_secs: r.try_get("age_secs")?,
                 })
             })

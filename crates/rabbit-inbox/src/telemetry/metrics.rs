@@ -98,7 +98,7 @@ pub const OUTBOX_FAILED: &str = "rabbit_inbox_outbox_failed";
 pub const OUTBOX_OLDEST_PENDING_AGE: &str = "rabbit_inbox_outbox_oldest_pending_seconds";
 /// Outbox rows published and confirmed by the broker. Labels: `schema`.
 pub const OUTBOX_PUBLISHED: &str = "rabbit_inbox_outbox_published_total";
-/// One relay batch, first publish to last confirm. Labels: `schema`.
+/// One relay round, from its claim to its last confirm. Labels: `schema`.
 pub const OUTBOX_PUBLISH_DURATION: &str = "rabbit_inbox_outbox_publish_seconds";
 /// Commit of an outbox row to its confirmed publish. Labels: `schema`.
 pub const OUTBOX_DELAY: &str = "rabbit_inbox_outbox_delay_seconds";
@@ -239,7 +239,7 @@ pub fn describe() {
     describe_histogram!(
         OUTBOX_PUBLISH_DURATION,
         Unit::Seconds,
-        "Relay batches, first publish to last confirm"
+        "Relay rounds, claim to last confirm"
     );
     describe_histogram!(
         OUTBOX_DELAY,
