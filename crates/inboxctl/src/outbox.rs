@@ -60,8 +60,12 @@ impl RelayArgs {
         c.poll_interval = Duration::from_millis(self.poll_interval_ms);
         c.listen = !self.no_listen;
         c.max_attempts = self.max_attempts;
-        c.retention =
-            (self.retention_hours > 0).then(|| Duration::from_secs(self.retention_hours * 3600));
+        c.retention = match self.retention_hours {
+            0 => None,
+            hours => Some(Duration::from_secs(hours.checked_mul(3600).ok_or_else(
+                || anyhow::anyhow!("--retention-hours {hours} is too large"),
+            )?)),
+        };
         c.validate()?;
         Ok(c)
     }

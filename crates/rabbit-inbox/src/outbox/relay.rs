@@ -110,7 +110,12 @@ impl RelayConfig {
         if !(1..=10_000).contains(&self.batch_size) {
             return invalid("relay.batch_size", "must be 1 to 10000");
         }
-        if self.confirm_timeout.is_zero() || self.lease < self.confirm_timeout * 2 {
+        if self.confirm_timeout.is_zero()
+            || self
+                .confirm_timeout
+                .checked_mul(2)
+                .is_none_or(|twice| self.lease < twice)
+        {
             return invalid(
                 "relay.lease",
                 "must be at least twice confirm_timeout (a round must end well within its lease)",
@@ -565,13 +570,19 @@ impl Relay {
         metrics::gauge!(m::OUTBOX_OLDEST_PENDING_AGE, "schema" => schema)
             .set(summary.oldest_pending_secs.unwrap_or(0.0));
         if let Some(retention) = self.config.retention {
+            // At most CHUNKS per pass: a large purge (retention just shortened, a relay that
+            // was off for a week) is spread over passes instead of holding up publishing.
             const CHUNK: i64 = 5_000;
-            while self
-                .store
-                .delete_sent_older_than(&mut conn, retention, CHUNK)
-                .await?
-                == CHUNK as u64
-            {}
+            const CHUNKS: usize = 20;
+            for _ in 0..CHUNKS {
+                let deleted = self
+                    .store
+                    .delete_sent_older_than(&mut conn, retention, CHUNK)
+                    .await?;
+                if deleted < CHUNK as u64 {
+                    break;
+                }
+            }
         }
         Ok(())
     }
