@@ -13,7 +13,7 @@ use rabbit_inbox::{
     InboxStatus, Outbox, OutboxMessage, Relay, RelayConfig, RetentionPolicy, RetryPolicy, Topology,
     canonical_json,
     ops::{CleanupRequest, NoProgress, Operations},
-    telemetry::metrics as m,
+    telemetry::{InboxSampler, metrics as m},
 };
 use serde_json::json;
 use sqlx::AssertSqlSafe;
@@ -535,6 +535,72 @@ async fn retention_counts_the_rows_it_deletes() {
         .expect("cleanup");
     assert_eq!(report.removed_processed, 3);
     assert_eq!(counter(m::RETENTION_DELETED, &[("consumer", &consumer)]), 5);
+}
+
+#[tokio::test]
+async fn the_headroom_gauge_follows_the_history_and_a_failing_sampler_is_counted() {
+    recorder();
+    let env = TestEnv::new().await;
+    let consumer = format!("headroom-{}", env.id);
+    let c = consumer.as_str();
+    insert_row(
+        &env,
+        c,
+        "ten-days-old",
+        InboxStatus::Processed,
+        "1, NULL::timestamptz, NULL::timestamptz, now() - interval '10 days'",
+    )
+    .await;
+    let day = 86_400.0;
+    let retry = RetryPolicy::default();
+    let sample = |window_days: u64| {
+        InboxSampler::new(
+            env.pool.clone(),
+            env.schema.clone(),
+            c,
+            retry.clone(),
+            Duration::from_millis(100),
+        )
+        .with_replay_window(Duration::from_secs(window_days * 86_400))
+        .run()
+    };
+    // Ten days kept against a week of replays: three days to spare.
+    let sampler = tokio::spawn(sample(7));
+    wait_gauge(
+        m::DEDUP_WINDOW_HEADROOM,
+        &[("consumer", c)],
+        "about +3 days",
+        |v| (v - 3.0 * day).abs() < 3600.0,
+    )
+    .await;
+    sampler.abort();
+    // Against a month of replays the history is twenty days short.
+    let sampler = tokio::spawn(sample(30));
+    wait_gauge(
+        m::DEDUP_WINDOW_HEADROOM,
+        &[("consumer", c)],
+        "about -20 days",
+        |v| (v + 20.0 * day).abs() < 3600.0,
+    )
+    .await;
+    sampler.abort();
+
+    // A sampler whose queries fail (here: its schema does not exist) counts every failure and
+    // keeps running.
+    let lost = format!("lost-{}", env.id);
+    let missing = rabbit_inbox::SchemaName::new(format!("t_missing_{}", env.id)).expect("name");
+    let sampler = tokio::spawn(
+        InboxSampler::new(
+            env.pool.clone(),
+            missing,
+            lost.as_str(),
+            retry.clone(),
+            Duration::from_millis(100),
+        )
+        .run(),
+    );
+    wait_counter(m::SAMPLER_ERRORS, &[("consumer", lost.as_str())], 3).await;
+    sampler.abort();
 }
 
 #[tokio::test]
