@@ -636,6 +636,7 @@ async fn the_relay_samples_its_backlog_and_counts_publishes_and_returns() {
     config.retry_initial_delay = Duration::from_secs(3);
     config.retry_max_delay = Duration::from_secs(3);
     let relay = Relay::new(util::amqp_url(), env.pool.clone(), config).expect("relay config");
+    let stats = relay.stats();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(relay.run(async move {
         let _ = stopped.await;
@@ -649,6 +650,26 @@ async fn the_relay_samples_its_backlog_and_counts_publishes_and_returns() {
     wait_gauge(m::OUTBOX_PENDING, &by_schema, "== 1", |v| v == 1.0).await;
     wait_gauge(m::OUTBOX_OLDEST_PENDING_AGE, &by_schema, "> 0", |v| v > 0.0).await;
     // After its second return it is FAILED, and nothing is pending.
+    let deadline = tokio::time::Instant::now() + util::DEADLINE;
+    loop {
+        let row: (String, i32, Option<String>) = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT status, attempts, last_error_code FROM \"{schema}\".outbox \
+             WHERE message_id = 'unroutable'"
+        )))
+        .fetch_one(&env.pool)
+        .await
+        .expect("row");
+        if row.0 == "FAILED" {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline && !task.is_finished(),
+            "the unroutable row is not FAILED: {row:?}, relay {:?}, task finished: {}",
+            stats.snapshot(),
+            task.is_finished()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     wait_gauge(m::OUTBOX_FAILED, &by_schema, "== 1", |v| v == 1.0).await;
     wait_gauge(m::OUTBOX_PENDING, &by_schema, "== 0", |v| v == 0.0).await;
     wait_gauge(m::OUTBOX_OLDEST_PENDING_AGE, &by_schema, "== 0", |v| {

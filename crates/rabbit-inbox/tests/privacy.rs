@@ -384,3 +384,114 @@ async fn the_consumer_works_under_its_least_privilege_role() {
     assert_eq!(report.removed_processed, 20);
     role_pool.close().await;
 }
+
+/// Logs in as a new role holding `kind`'s grants on the test schema.
+async fn pool_of(env: &TestEnv, kind: RoleKind) -> (TestRole, sqlx::PgPool) {
+    let role = TestRole {
+        name: format!("t_role_{}", random_hex()),
+    };
+    let mut setup = vec![format!("CREATE ROLE \"{}\" LOGIN", role.name)];
+    setup.extend(grant_statements(&env.schema, kind, &role.name));
+    for sql in setup {
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&env.pool)
+            .await
+            .expect("role set up");
+    }
+    let options: sqlx::postgres::PgConnectOptions = database_url().parse().expect("DATABASE_URL");
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options.username(&role.name))
+        .await
+        .expect("the role logs in");
+    (role, pool)
+}
+
+/// Runs `sql` (with `{s}` for the schema) on `pool`: Ok, or the SQLSTATE it failed with.
+async fn attempt(env: &TestEnv, pool: &sqlx::PgPool, sql: &str) -> Result<(), String> {
+    let sql = sql.replace("{s}", &format!("\"{}\"", env.schema));
+    match sqlx::raw_sql(AssertSqlSafe(sql)).execute(pool).await {
+        Ok(_) => Ok(()),
+        Err(sqlx::Error::Database(e)) => Err(e.code().map(|c| c.into_owned()).unwrap_or_default()),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+#[tokio::test]
+async fn operator_and_admin_roles_can_do_what_they_are_for_and_no_more() {
+    const DENIED: &str = "42501"; // insufficient_privilege
+    let env = TestEnv::new().await;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".message_inbox (message_id, consumer_name, message_type, \
+           message_version, status, processing_attempt, last_failed_at, payload_sha256) \
+         VALUES ('parked', 'svc', 'Thing', 1, 'PERMANENT_FAILED', 1, now(), '\\x00')",
+        env.schema
+    )))
+    .execute(&env.pool)
+    .await
+    .expect("row");
+
+    // The operator reads everything through the operations API, and changes nothing.
+    let (_operator, operator) = pool_of(&env, RoleKind::Operator).await;
+    let report = Operations::new(operator.clone(), env.schema.clone())
+        .status(&rabbit_inbox::ops::StatusQuery::default(), None)
+        .await
+        .expect("operator reads the status");
+    assert!(
+        report
+            .lines
+            .iter()
+            .any(|l| l.status == InboxStatus::PermanentFailed)
+    );
+    for sql in [
+        "SELECT count(*) FROM {s}.message_inbox",
+        "SELECT count(*) FROM {s}.inbox_audit",
+        "SELECT count(*) FROM {s}.inbox_tombstone",
+    ] {
+        assert_eq!(attempt(&env, &operator, sql).await, Ok(()), "{sql}");
+    }
+    for sql in [
+        "UPDATE {s}.message_inbox SET status = 'RETRYABLE_FAILED'",
+        "DELETE FROM {s}.message_inbox",
+        "INSERT INTO {s}.inbox_audit (actor, action, consumer_name, message_id, reason) \
+         VALUES ('x', 'reopen', 'svc', 'parked', 'y')",
+        "CREATE TABLE {s}.mine (x int)",
+    ] {
+        assert_eq!(
+            attempt(&env, &operator, sql).await,
+            Err(DENIED.into()),
+            "{sql}"
+        );
+    }
+
+    // The admin runs the operations (an audited reopen here), but the audit trail stays
+    // append-only and the schema's DDL stays with its owner.
+    let (_admin, admin) = pool_of(&env, RoleKind::Admin).await;
+    let actor = rabbit_inbox::ops::Actor::new("alice", "fixed the handler").expect("actor");
+    Operations::new(admin.clone(), env.schema.clone())
+        .reopen("parked", "svc", &actor, false)
+        .await
+        .expect("admin reopens");
+    assert_eq!(
+        env.scalar("SELECT count(*) FROM {s}.inbox_audit WHERE actor = 'alice'")
+            .await,
+        1
+    );
+    for sql in [
+        "DELETE FROM {s}.inbox_audit",
+        "UPDATE {s}.inbox_audit SET reason = 'nothing happened'",
+        "TRUNCATE {s}.inbox_audit",
+        "CREATE TABLE {s}.mine (x int)",
+        "DROP TABLE {s}.message_inbox",
+    ] {
+        assert!(
+            attempt(&env, &admin, sql).await.is_err(),
+            "{sql} was allowed"
+        );
+    }
+    assert_eq!(
+        env.scalar("SELECT count(*) FROM {s}.inbox_audit").await,
+        1,
+        "the audit row survived"
+    );
+}

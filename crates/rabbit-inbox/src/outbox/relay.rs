@@ -333,7 +333,9 @@ impl Relay {
                 Ok(Round {
                     outage: Some(why), ..
                 }) => {
-                    // Rows were not claimed, or were released: wait before trying again.
+                    // Rows were not claimed, or were released: wait before trying again. The
+                    // gauges go on, so the outbox age alert sees the outage.
+                    self.maintain_if_due(&mut maintained).await;
                     let delay = backoff.failed();
                     tracing::warn!(error = %why, retry_in = ?delay, relay = %c.name, "broker unavailable to the outbox relay");
                     tokio::select! {
@@ -358,12 +360,7 @@ impl Relay {
                     }
                 }
             }
-            if maintained.is_none_or(|t| t.elapsed() >= c.maintenance_interval) {
-                maintained = Some(Instant::now());
-                if let Err(e) = self.maintain().await {
-                    tracing::warn!(error = %e, relay = %c.name, "outbox maintenance failed");
-                }
-            }
+            self.maintain_if_due(&mut maintained).await;
             tokio::select! {
                 biased;
                 () = &mut shutdown => break,
@@ -557,6 +554,17 @@ impl Relay {
             );
             metrics::counter!(m::OUTBOX_FENCED, "schema" => schema).increment(fenced);
             self.stats.fenced.fetch_add(fenced, Relaxed);
+        }
+    }
+
+    /// [`Relay::maintain`] once per `maintenance_interval`.
+    async fn maintain_if_due(&self, maintained: &mut Option<Instant>) {
+        let c = &self.config;
+        if maintained.is_none_or(|t| t.elapsed() >= c.maintenance_interval) {
+            *maintained = Some(Instant::now());
+            if let Err(e) = self.maintain().await {
+                tracing::warn!(error = %e, relay = %c.name, "outbox maintenance failed");
+            }
         }
     }
 
