@@ -346,6 +346,8 @@ impl Relay {
                 }
                 Ok(round) => {
                     backoff.succeeded();
+                    // Also under a steady backlog: the gauges and retention keep their pace.
+                    self.maintain_if_due(&mut maintained).await;
                     if round.claimed == c.batch_size || round.ordered_sent {
                         continue; // more is waiting, or claimable now
                     }
@@ -360,7 +362,6 @@ impl Relay {
                     }
                 }
             }
-            self.maintain_if_due(&mut maintained).await;
             tokio::select! {
                 biased;
                 () = &mut shutdown => break,
