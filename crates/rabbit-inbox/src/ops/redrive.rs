@@ -290,15 +290,23 @@ impl Operations {
                 c.class = ParkedClass::WouldReapply;
                 c.message_type = Some(t.try_get("message_type")?);
                 c.tombstone_hash_matches = Some(matches);
-                c.detail = format!(
-                    "retention removed its {status} row on {removed} (body {}): moving it \
-                     would apply it again; needs force",
-                    if matches {
-                        "identical"
-                    } else {
-                        "differs from the removed row's"
-                    }
-                );
+                let body = if matches {
+                    "identical"
+                } else {
+                    "differs from the removed row's"
+                };
+                c.detail = if status == InboxStatus::Processed.as_str() {
+                    format!(
+                        "retention removed its PROCESSED row on {removed} (body {body}): its \
+                         effect ran, and moving it would apply it again; needs force"
+                    )
+                } else {
+                    format!(
+                        "retention removed its {status} row on {removed} (body {body}): its \
+                         effect never ran, but its row and attempts are gone, so moving it runs \
+                         it as a new message; needs force"
+                    )
+                };
             }
             None => {
                 c.detail =
