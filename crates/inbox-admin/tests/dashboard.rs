@@ -1,5 +1,5 @@
 //! The dashboard end to end in headless Chromium, driven through chromedriver: enter a token,
-//! read the status, open a parked message from its failure group, preview its redrive, and
+//! read the status, open a parked message from its failure group, preview its redrive, run it, and
 //! save a screenshot under `target/`. Skips, saying why, when Chromium or chromedriver is not
 //! installed (`apt-get install -y chromium chromium-driver`).
 
@@ -98,7 +98,7 @@ async fn wait_for_text(client: &Client, css: &str, want: &str) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_dashboard_previews_a_redrive_from_a_parked_message() {
+async fn the_dashboard_previews_and_runs_a_redrive_from_a_parked_message() {
     let (Some(chromium), Some(chromedriver)) = (on_path("chromium"), on_path("chromedriver"))
     else {
         eprintln!(
@@ -221,6 +221,36 @@ async fn the_dashboard_previews_a_redrive_from_a_parked_message() {
     // The preview changed nothing.
     assert_eq!(fx.depths().await.parking, 2);
     assert!(fx.audit().await.is_empty());
+
+    // The redrive itself: both copies back in the work queue, each audited under the
+    // token's name with the reason typed in.
+    client
+        .find(Locator::Css("#redrive-run"))
+        .await
+        .expect("redrive button")
+        .click()
+        .await
+        .expect("click");
+    let done = wait_for_text(&client, "#redrive-summary", "Done").await;
+    assert!(done.contains("moved 2"), "{done}");
+    let depths = fx.depths().await;
+    assert_eq!((depths.parking, depths.work), (0, 2), "{depths:?}");
+    let audit = fx.audit().await;
+    assert_eq!(audit.len(), 2, "{audit:?}");
+    for (actor, _, _, reason) in &audit {
+        assert!(actor.contains("alice"), "{audit:?}");
+        assert_eq!(reason, "refunds supported since 2.4");
+    }
+    assert!(
+        !client
+            .find(Locator::Css("#redrive-run"))
+            .await
+            .expect("redrive button")
+            .is_enabled()
+            .await
+            .expect("state"),
+        "a redrive needs a new preview before it can run again"
+    );
 
     client.close().await.expect("session closes");
     drop(driver);
