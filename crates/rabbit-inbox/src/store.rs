@@ -264,11 +264,11 @@ struct Sql {
     oldest_processed: SqlStr,
 }
 
-/// Shared (cheaply cloned) SQL text built from a validated schema name.
 /// The SQL condition of a stale PROCESSING row, with the stale threshold (seconds) in
 /// placeholder `secs`: a leased row whose lease expired, or an unleased row whose claim is
 /// older than the threshold. A leased row whose worker still heartbeats is never stale, however
-/// long it runs. Recovery, the lease takeover, `status` and the sampler share this meaning.
+/// long it runs. The lease takeover, `status` and the sampler use it; recovery's causes
+/// (`lease_expired`, `stale_processing`) split the same condition in two.
 pub(crate) fn stale_processing(secs: &str) -> String {
     format!(
         "(status = 'PROCESSING' AND (lease_expires_at < now() OR (lease_expires_at IS NULL \
@@ -293,6 +293,7 @@ pub(crate) fn overdue_by(delays: &str) -> String {
     )
 }
 
+/// Shared (cheaply cloned) SQL text built from a validated schema name.
 pub(crate) fn audited(sql: String) -> SqlStr {
     AssertSqlSafe(std::sync::Arc::<str>::from(sql)).into_sql_str()
 }

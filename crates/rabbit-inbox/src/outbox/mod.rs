@@ -38,7 +38,8 @@ use crate::{
 };
 use store::NewRow;
 
-/// Longest id, type, exchange, routing key or ordering key: AMQP carries them as short strings.
+/// Longest id, type, content type, exchange, routing key or ordering key: AMQP carries them as
+/// short strings.
 const MAX_NAME_BYTES: usize = 255;
 
 /// The largest payload [`Outbox::new`] accepts: RabbitMQ 4's default `max_message_size`
