@@ -274,3 +274,72 @@ async fn the_librarys_logs_never_print_a_body() {
             .is_some_and(|m| m.contains("invalid type"))
     );
 }
+
+#[cfg(feature = "otel")]
+#[tokio::test]
+async fn an_enqueue_outside_a_handler_carries_the_current_spans_trace() {
+    use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
+    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+    use rabbit_inbox::{Outbox, OutboxMessage};
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+    let exporter = InMemorySpanExporter::default();
+    let provider = SdkTracerProvider::builder()
+        .with_simple_exporter(exporter.clone())
+        .build();
+    let subscriber = tracing_subscriber::registry()
+        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let env = TestEnv::new().await;
+    let outbox = Outbox::new(env.schema.clone());
+    let mut conn = env.pool.acquire().await.expect("connection");
+    // A web request's span, as an HTTP framework's tracing layer would open it.
+    let request = tracing::info_span!("POST /orders");
+    let (trace_id, span_id) = {
+        let context = request.context();
+        let span = context.span();
+        let sc = span.span_context();
+        (sc.trace_id().to_string(), sc.span_id().to_string())
+    };
+    {
+        let _entered = request.enter();
+        let m = OutboxMessage::json("OrderPlaced", "", "orders", &json!({}))
+            .expect("json")
+            .with_id("from-a-request");
+        outbox.enqueue(&mut conn, &m).await.expect("enqueue");
+    }
+    // Outside any span, and with a context of its own, nothing is taken.
+    let m = OutboxMessage::json("OrderPlaced", "", "orders", &json!({}))
+        .expect("json")
+        .with_id("untraced");
+    outbox.enqueue(&mut conn, &m).await.expect("enqueue");
+    let own = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    {
+        let _entered = request.enter();
+        let m = OutboxMessage::json("OrderPlaced", "", "orders", &json!({}))
+            .expect("json")
+            .with_id("own-context")
+            .with_trace_context(own, None);
+        outbox.enqueue(&mut conn, &m).await.expect("enqueue");
+    }
+    let stored = |id: &'static str| {
+        let env = &env;
+        async move {
+            sqlx::query_scalar::<_, Option<String>>(sqlx::AssertSqlSafe(format!(
+                "SELECT traceparent FROM \"{}\".outbox WHERE message_id = $1",
+                env.schema
+            )))
+            .bind(id)
+            .fetch_one(&env.pool)
+            .await
+            .expect("row")
+        }
+    };
+    assert_eq!(
+        stored("from-a-request").await,
+        Some(format!("00-{trace_id}-{span_id}-01"))
+    );
+    assert_eq!(stored("untraced").await, None);
+    assert_eq!(stored("own-context").await.as_deref(), Some(own));
+}

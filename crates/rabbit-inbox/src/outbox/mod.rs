@@ -337,6 +337,8 @@ impl Outbox {
 
     /// Writes `message` in the transaction `tx` belongs to: it is published after that
     /// transaction commits, and never if it rolls back. Without an id it gets a random one.
+    /// Without a trace context, and with the `otel` feature, it carries the current span's
+    /// (the web request's, say), so the consumer's span joins that trace.
     /// Pass `&mut *tx` of an open transaction: on a connection in autocommit mode the row
     /// commits at once, alone.
     pub async fn enqueue(
@@ -348,6 +350,14 @@ impl Outbox {
             .message_id
             .clone()
             .unwrap_or_else(ids::random_message_id);
+        #[cfg(feature = "otel")]
+        if message.traceparent.is_none()
+            && let Some((traceparent, tracestate)) =
+                crate::telemetry::trace::current_trace_context()
+        {
+            let traced = message.clone().with_trace_context(traceparent, tracestate);
+            return self.write(tx, &traced, id).await;
+        }
         self.write(tx, message, id).await
     }
 

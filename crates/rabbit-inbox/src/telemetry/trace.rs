@@ -58,3 +58,27 @@ fn continue_producer_trace(span: &Span, envelope: &Envelope) {
     // Fails only when no OpenTelemetry layer is installed; the span is then a plain one.
     let _ = span.set_parent(parent);
 }
+
+/// The W3C trace context (`traceparent`, `tracestate`) of the current span, if it belongs to
+/// a valid OpenTelemetry trace: what a message written now (an outbox enqueue from a web
+/// request's span) carries on, so its consumer's span joins the same trace.
+#[cfg(feature = "otel")]
+pub(crate) fn current_trace_context() -> Option<(String, Option<String>)> {
+    use std::collections::HashMap;
+
+    use opentelemetry::{propagation::TextMapPropagator, trace::TraceContextExt};
+    use opentelemetry_sdk::propagation::TraceContextPropagator;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+    let cx = Span::current().context();
+    if !cx.span().span_context().is_valid() {
+        return None;
+    }
+    let mut carrier: HashMap<String, String> = HashMap::with_capacity(2);
+    TraceContextPropagator::new().inject_context(&cx, &mut carrier);
+    let traceparent = carrier.remove("traceparent")?;
+    Some((
+        traceparent,
+        carrier.remove("tracestate").filter(|s| !s.is_empty()),
+    ))
+}
