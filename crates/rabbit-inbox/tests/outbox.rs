@@ -28,7 +28,12 @@ struct RunningRelay {
 
 impl RunningRelay {
     fn start(env: &TestEnv, config: RelayConfig) -> Self {
-        let relay = Relay::new(amqp_url(), env.pool.clone(), config).expect("valid relay config");
+        Self::start_at(env, amqp_url(), config)
+    }
+
+    /// A relay publishing to the broker at `amqp_url`.
+    fn start_at(env: &TestEnv, amqp_url: String, config: RelayConfig) -> Self {
+        let relay = Relay::new(amqp_url, env.pool.clone(), config).expect("valid relay config");
         let stats = relay.stats();
         #[cfg(feature = "fault-injection")]
         let faults = relay.faults();
@@ -674,26 +679,15 @@ async fn a_relay_without_a_broker_claims_nothing_and_publishes_once_it_is_back()
         outbox.enqueue(&mut conn, &m).await.expect("enqueue");
     }
     // Nothing listens on port 1: an outage from the start.
-    let relay = Relay::new(
+    let relay = RunningRelay::start_at(
+        &env,
         "amqp://guest:guest@127.0.0.1:1/%2f".to_owned(),
-        env.pool.clone(),
         relay_config(&env),
-    )
-    .expect("relay config");
-    let stats = relay.stats();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(relay.run(async move {
-        let _ = stopped.await;
-    }));
+    );
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let _ = stop.send(());
-    tokio::time::timeout(DEADLINE, task)
-        .await
-        .expect("stops")
-        .expect("no panic")
-        .expect("no fatal error");
+    let stats = relay.stop().await;
     // It backed off instead of claiming and releasing the rows in a loop.
-    assert_eq!(stats.snapshot().claimed, 0, "{:?}", stats.snapshot());
+    assert_eq!(stats.claimed, 0, "{stats:?}");
     assert_eq!(status_counts(&env).await.get("PENDING"), Some(&3));
     let attempts: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT coalesce(sum(attempts), 0) FROM \"{}\".outbox",

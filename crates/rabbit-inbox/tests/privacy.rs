@@ -238,6 +238,36 @@ async fn storage_per_type_and_redaction_before_anything_is_stored() {
     }
 }
 
+/// Logs in, with up to `connections` connections, as a new role holding `kind`'s grants on
+/// the test schema plus `also` (statements with `{role}` for the role's name).
+async fn pool_of(
+    env: &TestEnv,
+    kind: RoleKind,
+    also: &[&str],
+    connections: u32,
+) -> (TestRole, sqlx::PgPool) {
+    let role = TestRole {
+        name: format!("t_role_{}", random_hex()),
+    };
+    let mut setup = vec![format!("CREATE ROLE \"{}\" LOGIN", role.name)];
+    setup.extend(grant_statements(&env.schema, kind, &role.name));
+    setup.extend(also.iter().map(|sql| sql.replace("{role}", &role.name)));
+    for sql in setup {
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&env.pool)
+            .await
+            .expect("role set up");
+    }
+    let options: sqlx::postgres::PgConnectOptions = database_url().parse().expect("DATABASE_URL");
+    let pool = PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(options.username(&role.name))
+        .await
+        .expect("the role logs in");
+    (role, pool)
+}
+
 /// A LOGIN role with a random name, dropped (with its grants) when this goes away.
 struct TestRole {
     name: String,
@@ -275,32 +305,14 @@ impl Drop for TestRole {
 #[tokio::test]
 async fn the_consumer_works_under_its_least_privilege_role() {
     let env = TestEnv::new().await;
-    let role = TestRole {
-        name: format!("t_role_{}", random_hex()),
-    };
     let s = &env.schema;
-    let mut setup = vec![format!("CREATE ROLE \"{}\" LOGIN", role.name)];
-    setup.extend(grant_statements(s, RoleKind::Consumer, &role.name));
     // The handler's own tables are the application's to grant.
-    setup.push(format!(
+    let handler_tables = format!(
         "GRANT SELECT, INSERT, UPDATE ON \"{s}\".effects, \"{s}\".handler_calls, \
-         \"{s}\".external_ledger TO \"{0}\"; \
-         GRANT USAGE ON ALL SEQUENCES IN SCHEMA \"{s}\" TO \"{0}\"",
-        role.name
-    ));
-    for sql in setup {
-        sqlx::raw_sql(AssertSqlSafe(sql))
-            .execute(&env.pool)
-            .await
-            .expect("role set up");
-    }
-    let options: sqlx::postgres::PgConnectOptions = database_url().parse().expect("DATABASE_URL");
-    let role_pool = PgPoolOptions::new()
-        .max_connections(6)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect_with(options.username(&role.name))
-        .await
-        .expect("the role logs in");
+         \"{s}\".external_ledger TO \"{{role}}\"; \
+         GRANT USAGE ON ALL SEQUENCES IN SCHEMA \"{s}\" TO \"{{role}}\""
+    );
+    let (role, role_pool) = pool_of(&env, RoleKind::Consumer, &[&handler_tables], 6).await;
 
     let topology = env.topology("least");
     let config = env.config("svc", topology.clone());
@@ -385,28 +397,6 @@ async fn the_consumer_works_under_its_least_privilege_role() {
     role_pool.close().await;
 }
 
-/// Logs in as a new role holding `kind`'s grants on the test schema.
-async fn pool_of(env: &TestEnv, kind: RoleKind) -> (TestRole, sqlx::PgPool) {
-    let role = TestRole {
-        name: format!("t_role_{}", random_hex()),
-    };
-    let mut setup = vec![format!("CREATE ROLE \"{}\" LOGIN", role.name)];
-    setup.extend(grant_statements(&env.schema, kind, &role.name));
-    for sql in setup {
-        sqlx::raw_sql(AssertSqlSafe(sql))
-            .execute(&env.pool)
-            .await
-            .expect("role set up");
-    }
-    let options: sqlx::postgres::PgConnectOptions = database_url().parse().expect("DATABASE_URL");
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .connect_with(options.username(&role.name))
-        .await
-        .expect("the role logs in");
-    (role, pool)
-}
-
 /// Runs `sql` (with `{s}` for the schema) on `pool`: Ok, or the SQLSTATE it failed with.
 async fn attempt(env: &TestEnv, pool: &sqlx::PgPool, sql: &str) -> Result<(), String> {
     let sql = sql.replace("{s}", &format!("\"{}\"", env.schema));
@@ -432,7 +422,7 @@ async fn operator_and_admin_roles_can_do_what_they_are_for_and_no_more() {
     .expect("row");
 
     // The operator reads everything through the operations API, and changes nothing.
-    let (_operator, operator) = pool_of(&env, RoleKind::Operator).await;
+    let (_operator, operator) = pool_of(&env, RoleKind::Operator, &[], 2).await;
     let report = Operations::new(operator.clone(), env.schema.clone())
         .status(&rabbit_inbox::ops::StatusQuery::default(), None)
         .await
@@ -466,7 +456,7 @@ async fn operator_and_admin_roles_can_do_what_they_are_for_and_no_more() {
 
     // The admin runs the operations (an audited reopen here), but the audit trail stays
     // append-only and the schema's DDL stays with its owner.
-    let (_admin, admin) = pool_of(&env, RoleKind::Admin).await;
+    let (_admin, admin) = pool_of(&env, RoleKind::Admin, &[], 2).await;
     let actor = rabbit_inbox::ops::Actor::new("alice", "fixed the handler").expect("actor");
     Operations::new(admin.clone(), env.schema.clone())
         .reopen("parked", "svc", &actor, false)

@@ -16,16 +16,15 @@ use sqlx::PgConnection;
 use tracing_subscriber::{Layer as _, layer::SubscriberExt as _};
 use util::{TestEnv, thing};
 
+/// Spans exported to memory, for this test's thread (its runtime is single-threaded, so every
+/// task of the test sees the subscriber) until the guard drops.
 #[cfg(feature = "otel")]
-#[tokio::test]
-async fn a_delivery_span_is_a_child_of_the_producers_trace() {
-    use opentelemetry::{
-        Value,
-        trace::{SpanId, SpanKind, TraceId, TracerProvider as _},
-    };
-    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
-    use rabbit_inbox::TRACEPARENT_HEADER;
-    use util::{Rule, wait_for};
+fn spans_in_memory() -> (
+    opentelemetry_sdk::trace::InMemorySpanExporter,
+    tracing::subscriber::DefaultGuard,
+) {
+    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 
     let exporter = InMemorySpanExporter::default();
     let provider = SdkTracerProvider::builder()
@@ -33,8 +32,21 @@ async fn a_delivery_span_is_a_child_of_the_producers_trace() {
         .build();
     let subscriber = tracing_subscriber::registry()
         .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
-    // This test's runtime is single-threaded: every consumer task sees this subscriber.
-    let _guard = tracing::subscriber::set_default(subscriber);
+    (exporter, tracing::subscriber::set_default(subscriber))
+}
+
+#[cfg(feature = "otel")]
+#[tokio::test]
+async fn a_delivery_span_is_a_child_of_the_producers_trace() {
+    use opentelemetry::{
+        Value,
+        trace::{SpanId, SpanKind, TraceId},
+    };
+    use opentelemetry_sdk::trace::SpanData;
+    use rabbit_inbox::TRACEPARENT_HEADER;
+    use util::{Rule, wait_for};
+
+    let (exporter, _guard) = spans_in_memory();
 
     let env = TestEnv::new().await;
     let config = env.config("traced", env.topology("traced"));
@@ -278,18 +290,11 @@ async fn the_librarys_logs_never_print_a_body() {
 #[cfg(feature = "otel")]
 #[tokio::test]
 async fn an_enqueue_outside_a_handler_carries_the_current_spans_trace() {
-    use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
-    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+    use opentelemetry::trace::TraceContextExt as _;
     use rabbit_inbox::{Outbox, OutboxMessage};
     use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
-    let exporter = InMemorySpanExporter::default();
-    let provider = SdkTracerProvider::builder()
-        .with_simple_exporter(exporter.clone())
-        .build();
-    let subscriber = tracing_subscriber::registry()
-        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (_exporter, _guard) = spans_in_memory();
 
     let env = TestEnv::new().await;
     let outbox = Outbox::new(env.schema.clone());

@@ -267,6 +267,7 @@ pub struct Relay {
 }
 
 /// What one round did.
+#[derive(Default)]
 struct Round {
     claimed: usize,
     /// An ordered row was marked SENT: the next row of its key can be claimed now.
@@ -379,9 +380,8 @@ impl Relay {
         // the lease is not spent on connecting.
         if let Err(e) = link.connect().await {
             return Ok(Round {
-                claimed: 0,
-                ordered_sent: false,
                 outage: Some(e.to_string()),
+                ..Round::default()
             });
         }
         let mut conn = self.pool.acquire().await?;
@@ -390,11 +390,7 @@ impl Relay {
             .claim(&mut conn, &c.name, c.batch_size, c.lease)
             .await?;
         if rows.is_empty() {
-            return Ok(Round {
-                claimed: 0,
-                ordered_sent: false,
-                outage: None,
-            });
+            return Ok(Round::default());
         }
         let claimed_at = Instant::now();
         self.stats.rounds.fetch_add(1, Relaxed);
@@ -438,8 +434,7 @@ impl Relay {
             );
             return Ok(Round {
                 claimed: rows.len(),
-                ordered_sent: false,
-                outage: None,
+                ..Round::default()
             });
         }
         let retry = RetryBackoff {
