@@ -77,7 +77,7 @@ pub use envelope::{
 };
 pub use error::{BrokerError, ConfigError, ConsumerError, StoreError};
 #[cfg(feature = "fault-injection")]
-pub use fault::FaultPlan;
+pub use fault::{FaultPlan, RedriveFaults, RedriveStep};
 pub use handler::{
     BatchError, BatchHandler, ErrorKind, HANDLER_PANICKED, Handler, HandlerError, InboxMessage,
     PerMessage,

@@ -11,8 +11,8 @@ mod util;
 use rabbit_inbox::{
     InboxStatus, OutgoingMessage, ParkingLot, Topology,
     ops::{
-        Actor, DROP_PROCESSED, FORCED_REPLAY, NoProgress, Operations, OpsError, ParkedAction,
-        ParkedClass, REDRIVE, REOPEN, RedriveRequest,
+        Actor, DROP_PROCESSED, DROP_REDRIVEN, FORCED_REPLAY, NoProgress, Operations, OpsError,
+        ParkedAction, ParkedClass, REDRIVE, REOPEN, RedriveRequest,
     },
     parking_headers,
 };
@@ -32,12 +32,22 @@ fn invoice(id: &str) -> OutgoingMessage {
 /// A copy in the parking lot as the consumer would have parked it, for a key whose row is
 /// not what parked it (a reconciliation finding, a retention-removed row, a foreign copy).
 async fn park_by_hand(env: &TestEnv, topology: &Topology, id: &str) {
-    let mut m = invoice(id);
+    park_copy(env, topology, id, invoice(id), "test_permanent").await;
+}
+
+/// `message` in the parking lot under the inbox key `id`, parked with `error_code`.
+async fn park_copy(
+    env: &TestEnv,
+    topology: &Topology,
+    id: &str,
+    mut m: OutgoingMessage,
+    error_code: &str,
+) {
     for (k, v) in [
         (parking_headers::INBOX_KEY, json!(id)),
         (parking_headers::CONSUMER, json!(CONSUMER)),
         (parking_headers::STATUS, json!("PERMANENT_FAILED")),
-        (parking_headers::ERROR_CODE, json!("test_permanent")),
+        (parking_headers::ERROR_CODE, json!(error_code)),
         (parking_headers::PARKED_AT, json!(1_700_000_000_000i64)),
     ] {
         m.headers.insert(k.into(), v);
@@ -555,4 +565,339 @@ async fn a_redriven_copy_is_the_producers_message_without_reason_headers() {
         "where it first arrived is kept"
     );
     assert_eq!(env.depths(&topology).await.parking, 0);
+}
+
+/// The audit record a redrive writes when it moves a copy of `id` (a reopen `via: redrive`):
+/// with a PROCESSED row and the copy still parked, the state a redrive killed after the confirm
+/// and before the ack leaves once the moved copy is processed.
+async fn audit_redrive_reopen(env: &TestEnv, id: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".inbox_audit (actor, action, consumer_name, message_id, reason, details) \
+         VALUES ('alice', $1, $2, $3, 'fix deployed', $4)",
+        env.schema
+    )))
+    .bind(REOPEN)
+    .bind(CONSUMER)
+    .bind(id)
+    .bind(json!({ "previous_status": "POISONED", "via": REDRIVE }))
+    .execute(&env.pool)
+    .await
+    .expect("audit row");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_left_over_by_a_killed_redrive_is_removed_by_the_next_run() {
+    let env = TestEnv::new().await;
+    let topology = env.topology("invoices");
+    let config = env.config(CONSUMER, topology.clone());
+    env.declare(&config).await;
+    let (handler, _plan) = env.handler();
+    let running = env.start(config.clone(), handler);
+    for id in ["inv-redriven", "inv-done"] {
+        env.publish(&topology, &invoice(id)).await;
+        env.wait_for_record(CONSUMER, id, "processed", |r| {
+            r.status == InboxStatus::Processed
+        })
+        .await;
+    }
+    running.stop().await;
+    // inv-redriven: moved by a redrive that was killed before acking its parked copy; the
+    // moved copy was processed. Beside it, a payload conflict of the same key (another body).
+    audit_redrive_reopen(&env, "inv-redriven").await;
+    park_by_hand(&env, &topology, "inv-redriven").await;
+    let mut other_body = invoice("inv-redriven");
+    other_body.body =
+        serde_json::to_vec(&json!({ "invoice": "inv-redriven", "amount": 43 })).expect("json");
+    park_copy(
+        &env,
+        &topology,
+        "inv-redriven",
+        other_body,
+        rabbit_inbox::PAYLOAD_CONFLICT,
+    )
+    .await;
+    // inv-done: PROCESSED, its copy parked, no redrive in its history: a finding, left.
+    park_by_hand(&env, &topology, "inv-done").await;
+    wait_for("three parked copies", async || {
+        env.depths(&topology).await.parking == 3
+    })
+    .await;
+
+    let ops = Operations::new(env.pool.clone(), env.schema.clone());
+    let lot = ParkingLot::connect(&amqp_url(), &topology.queue, &topology.parking_queue)
+        .await
+        .expect("parking lot");
+    let rerun = ops
+        .redrive(
+            &lot,
+            &RedriveRequest::default(),
+            Some(&operator()),
+            &NoProgress,
+        )
+        .await
+        .expect("redrive");
+    lot.close().await;
+    assert_eq!(rerun.classes.get("redriven"), Some(&1), "{rerun:#?}");
+    assert_eq!(rerun.class(ParkedClass::Processed), 2, "{rerun:#?}");
+    assert_eq!(rerun.action(ParkedAction::Removed), 1, "{rerun:#?}");
+    assert_eq!(rerun.action(ParkedAction::Left), 2, "{rerun:#?}");
+    assert_eq!(rerun.action(ParkedAction::Moved), 0, "{rerun:#?}");
+    assert_eq!(env.depths(&topology).await.parking, 2);
+    assert_eq!(
+        audit_actions(&env, "inv-redriven").await,
+        [REOPEN, DROP_REDRIVEN]
+    );
+    assert!(audit_actions(&env, "inv-done").await.is_empty());
+    let left = env.take_parked(&topology, 2).await;
+    let mut left: Vec<_> = left
+        .iter()
+        .map(|m| {
+            (
+                util::header(m, parking_headers::INBOX_KEY).map(str::to_owned),
+                util::header(m, parking_headers::ERROR_CODE).map(str::to_owned),
+            )
+        })
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        [
+            (Some("inv-done".into()), Some("test_permanent".into())),
+            (
+                Some("inv-redriven".into()),
+                Some(rabbit_inbox::PAYLOAD_CONFLICT.into())
+            ),
+        ],
+        "the finding and the payload conflict stay"
+    );
+    for id in ["inv-redriven", "inv-done"] {
+        assert_eq!(env.effects(id).await, 1, "{id} applied once");
+    }
+}
+
+/// A dry run's counts with its `would_` actions named as the real run's.
+fn as_run(report: &rabbit_inbox::ops::RedriveReport) -> (Vec<(String, u64)>, Vec<(String, u64)>) {
+    let classes = report
+        .classes
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), *v))
+        .collect();
+    let mut actions: Vec<(String, u64)> = report
+        .actions
+        .iter()
+        .map(|(k, v)| {
+            let k = match *k {
+                "would_move" => "moved",
+                "would_remove" => "removed",
+                k => k,
+            };
+            (k.to_owned(), *v)
+        })
+        .collect();
+    actions.sort();
+    (classes, actions)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dry_run_reports_what_the_run_then_does_with_and_without_drop_processed() {
+    let env = TestEnv::new().await;
+    let topology = env.topology("invoices");
+    let config = env.config(CONSUMER, topology.clone());
+    env.declare(&config).await;
+    let (handler, plan) = env.handler();
+    for id in ["inv-1", "inv-2"] {
+        plan.for_id(id, Rule::Permanent);
+    }
+    let running = env.start(config.clone(), handler);
+    for id in ["inv-1", "inv-2", "inv-done", "inv-redriven"] {
+        env.publish(&topology, &invoice(id)).await;
+    }
+    for id in ["inv-done", "inv-redriven"] {
+        env.wait_for_record(CONSUMER, id, "processed", |r| {
+            r.status == InboxStatus::Processed
+        })
+        .await;
+    }
+    wait_for("two parked", async || {
+        env.depths(&topology).await.parking == 2
+    })
+    .await;
+    running.stop().await;
+    park_by_hand(&env, &topology, "inv-done").await;
+    audit_redrive_reopen(&env, "inv-redriven").await;
+    park_by_hand(&env, &topology, "inv-redriven").await;
+    park_by_hand(&env, &topology, "inv-stranger").await;
+    wait_for("five parked", async || {
+        env.depths(&topology).await.parking == 5
+    })
+    .await;
+
+    let ops = Operations::new(env.pool.clone(), env.schema.clone());
+    let lot = ParkingLot::connect(&amqp_url(), &topology.queue, &topology.parking_queue)
+        .await
+        .expect("parking lot");
+    let actor = operator();
+    let mut runs = Vec::new();
+    for drop_processed in [false, true] {
+        let request = RedriveRequest {
+            drop_processed,
+            ..RedriveRequest::default()
+        };
+        let preview = ops
+            .redrive(
+                &lot,
+                &RedriveRequest {
+                    dry_run: true,
+                    ..request.clone()
+                },
+                None,
+                &NoProgress,
+            )
+            .await
+            .expect("dry run");
+        let run = ops
+            .redrive(&lot, &request, Some(&actor), &NoProgress)
+            .await
+            .expect("redrive");
+        assert_eq!(
+            as_run(&preview),
+            as_run(&run),
+            "drop_processed {drop_processed}: the preview {preview:#?} against the run {run:#?}"
+        );
+        runs.push(run);
+    }
+    lot.close().await;
+    // Without --drop-processed: two moved, the leftover removed, the PROCESSED finding left,
+    // the stranger refused; then the finding is removed as asked.
+    let counts = |r: &rabbit_inbox::ops::RedriveReport| {
+        [
+            ParkedAction::Moved,
+            ParkedAction::Removed,
+            ParkedAction::Left,
+            ParkedAction::Refused,
+        ]
+        .map(|a| r.action(a))
+    };
+    assert_eq!(counts(&runs[0]), [2, 1, 1, 1], "{:#?}", runs[0]);
+    assert_eq!(counts(&runs[1]), [0, 1, 0, 1], "{:#?}", runs[1]);
+    assert_eq!(audit_actions(&env, "inv-done").await, [DROP_PROCESSED]);
+    assert_eq!(env.depths(&topology).await.parking, 1, "the stranger stays");
+}
+
+/// Kills a redrive at `step` of its first move and closes its connection, as a killed process
+/// would leave things; returns the key of the message it was moving.
+#[cfg(feature = "fault-injection")]
+async fn kill_redrive_at(
+    ops: &Operations,
+    topology: &Topology,
+    step: rabbit_inbox::RedriveStep,
+) -> String {
+    let lot = ParkingLot::connect(&amqp_url(), &topology.queue, &topology.parking_queue)
+        .await
+        .expect("parking lot");
+    let faults = ops.redrive_faults();
+    faults.kill_at(step);
+    let (actor, request) = (operator(), RedriveRequest::default());
+    let killed = tokio::select! {
+        done = ops.redrive(&lot, &request, Some(&actor), &NoProgress) => {
+            panic!("the redrive was not killed at {step:?}: {done:?}")
+        }
+        killed = faults.killed() => killed.expect("the key of the message being moved"),
+    };
+    lot.close().await;
+    killed
+}
+
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_killed_at_each_step_loses_nothing_and_its_rerun_finishes_the_job() {
+    use rabbit_inbox::RedriveStep;
+
+    let env = TestEnv::new().await;
+    let topology = env.topology("invoices");
+    let config = env.config(CONSUMER, topology.clone());
+    env.declare(&config).await;
+    let (handler, plan) = env.handler();
+    plan.for_id("inv-1", Rule::Permanent);
+    let running = env.start(config.clone(), handler.clone());
+    env.publish(&topology, &invoice("inv-1")).await;
+    wait_for("parked", async || env.depths(&topology).await.parking == 1).await;
+    running.stop().await;
+    plan.clear_id("inv-1");
+    let ops = Operations::new(env.pool.clone(), env.schema.clone());
+    let state = async || {
+        let row = env.record(CONSUMER, "inv-1").await.expect("row");
+        let d = env.depths(&topology).await;
+        (row.status, d.work, audit_actions(&env, "inv-1").await)
+    };
+    let parked_again = async || {
+        wait_for("the parked copy back in the parking lot", async || {
+            env.depths(&topology).await.parking == 1
+        })
+        .await;
+    };
+
+    // Killed before the commit: nothing changed.
+    let killed = kill_redrive_at(&ops, &topology, RedriveStep::BeforeCommit).await;
+    assert_eq!(killed, "inv-1");
+    parked_again().await;
+    assert_eq!(
+        state().await,
+        (InboxStatus::PermanentFailed, 0, Vec::<String>::new())
+    );
+    // Killed after the commit, before the publish: the row is open and its only copy is the
+    // parked one, back in the parking lot.
+    kill_redrive_at(&ops, &topology, RedriveStep::AfterCommit).await;
+    parked_again().await;
+    assert_eq!(
+        state().await,
+        (InboxStatus::RetryableFailed, 0, vec![REOPEN.to_owned()])
+    );
+    // Killed after the confirm, before the ack (the rerun resumes the open row): the copy in
+    // the work queue already finds its row open; the parked copy comes back too.
+    kill_redrive_at(&ops, &topology, RedriveStep::AfterConfirm).await;
+    parked_again().await;
+    assert_eq!(
+        state().await,
+        (
+            InboxStatus::RetryableFailed,
+            1,
+            vec![REOPEN.to_owned(), REDRIVE.to_owned()]
+        )
+    );
+
+    // The consumer processes the moved copy; the rerun removes the parked one, audited.
+    let running = env.start(config.clone(), handler);
+    env.wait_for_record(CONSUMER, "inv-1", "processed", |r| {
+        r.status == InboxStatus::Processed
+    })
+    .await;
+    let lot = ParkingLot::connect(&amqp_url(), &topology.queue, &topology.parking_queue)
+        .await
+        .expect("parking lot");
+    let rerun = ops
+        .redrive(
+            &lot,
+            &RedriveRequest::default(),
+            Some(&operator()),
+            &NoProgress,
+        )
+        .await
+        .expect("rerun");
+    lot.close().await;
+    assert_eq!(rerun.class(ParkedClass::Redriven), 1, "{rerun:#?}");
+    assert_eq!(rerun.action(ParkedAction::Removed), 1, "{rerun:#?}");
+    let stats = running.stop().await;
+    let d = env.depths(&topology).await;
+    assert_eq!(
+        (d.work, d.retry, d.parking),
+        (0, 0, 0),
+        "nothing left anywhere"
+    );
+    assert_eq!(env.effects("inv-1").await, 1, "applied exactly once");
+    assert_eq!(stats.parked, 0, "the moved copy never met a parked row");
+    assert_eq!(
+        audit_actions(&env, "inv-1").await,
+        [REOPEN, REDRIVE, DROP_REDRIVEN]
+    );
 }

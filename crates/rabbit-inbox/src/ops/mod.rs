@@ -25,7 +25,8 @@ pub use recover::{
     RecoveryConfig, RecoveryPolicy, RecoveryReport,
 };
 pub use redrive::{
-    DROP_PROCESSED, Finding, ParkedAction, ParkedClass, REDRIVE, RedriveReport, RedriveRequest,
+    DROP_PROCESSED, DROP_REDRIVEN, Finding, ParkedAction, ParkedClass, REDRIVE, RedriveReport,
+    RedriveRequest, planned_action,
 };
 pub use reopen::{FORCED_REPLAY, REOPEN, Reopened};
 pub use retention::{CleanupReport, CleanupRequest};
@@ -129,6 +130,8 @@ pub struct Operations {
     pool: PgPool,
     schema: SchemaName,
     keyring: Option<Arc<Keyring>>,
+    #[cfg(feature = "fault-injection")]
+    redrive_faults: Arc<crate::fault::RedriveFaults>,
 }
 
 impl Operations {
@@ -138,6 +141,8 @@ impl Operations {
             pool,
             schema,
             keyring: None,
+            #[cfg(feature = "fault-injection")]
+            redrive_faults: Arc::default(),
         }
     }
 
@@ -158,6 +163,12 @@ impl Operations {
     /// The inbox's schema.
     pub fn schema(&self) -> &SchemaName {
         &self.schema
+    }
+
+    /// Kills to inject into `redrive` (tests); shared by this value's clones.
+    #[cfg(feature = "fault-injection")]
+    pub fn redrive_faults(&self) -> Arc<crate::fault::RedriveFaults> {
+        self.redrive_faults.clone()
     }
 }
 

@@ -7,19 +7,30 @@
 //! | MANUAL_REVIEW                  |                |                                          |
 //! | RETRYABLE_FAILED / PROCESSING  | `resume`       | move the copy (row already open: an      |
 //! |                                |                | earlier redrive stopped midway)          |
+//! | PROCESSED, after a redrive     | `redriven`     | remove it, audited (left over by a       |
+//! | moved the same message         |                | redrive killed before its ack)           |
 //! | PROCESSED                      | `processed`    | leave it (a finding); `drop_processed`   |
 //! |                                |                | removes it, audited                      |
 //! | none, tombstone kept           | `would_reapply`| refuse; `force` replays it, audited      |
 //! | none, no tombstone (or no key) | `unknown`      | refuse; `force` moves it, audited        |
 //!
-//! A move is: open a transaction, reopen the row and write the audit record in it, publish the
-//! restored original to the work queue through the default exchange and wait for the confirm,
-//! commit, and only then ack the parked copy. Whatever the step a redrive is killed at, the
-//! message exists at least once and its effect applies once: before the commit nothing
-//! changed but a copy may sit in the work queue (its row is still parked: the consumer parks
-//! it again, and the next redrive moves both); after the commit and before the ack the parked
-//! copy comes back (its row is open: the next redrive resumes it, and the inbox drops the
-//! second copy as a duplicate).
+//! What happens to a copy is decided once ([`planned_action`]), for the dry run and the real
+//! run alike, so a preview shows what the run will do.
+//!
+//! A move is: reopen the row and write the audit record in one transaction and commit it,
+//! publish the restored original to the work queue through the default exchange and wait for
+//! the confirm, and only then ack the parked copy. The row is open before any copy of it can
+//! reach the consumer, so the moved copy never meets a parked row. Whatever the step a redrive
+//! is killed at, the message exists at least once and its effect applies once, and a rerun
+//! finishes the job:
+//! - before the commit: nothing changed; the parked copy (never acked) returns to the parking
+//!   lot and the rerun reopens and moves it;
+//! - after the commit, before the publish: the row is open and its only copy is the parked
+//!   one, back in the parking lot: the rerun resumes it (and without a rerun, recovery
+//!   republishes a RETRYABLE_FAILED row whose retry never came back);
+//! - after the confirm, before the ack: the parked copy comes back as well; the rerun resumes
+//!   it while its row is still open (the inbox drops the second copy as a duplicate), or,
+//!   once the moved copy was processed, classes it `redriven` and removes it.
 //!
 //! Copies left alone stay unacked until the pass ends, so one pass reads each copy once; they
 //! then go back to the parking lot in their places. A pass reads at most as many copies as the
@@ -46,6 +57,9 @@ use crate::{EnvelopeRules, InboxStatus, ParkedMessage, ParkingLot, Republished, 
 pub const REDRIVE: &str = "redrive";
 /// Audit action of a parked copy of a PROCESSED row removed from the parking lot.
 pub const DROP_PROCESSED: &str = "redrive_drop_processed";
+/// Audit action of a parked copy removed because a redrive already moved its message (the
+/// redrive was killed before it acked the copy) and the moved copy was processed.
+pub const DROP_REDRIVEN: &str = "redrive_drop_redriven";
 
 /// What a pass read in the parking lot, for reconciliation.
 #[derive(Debug, Default)]
@@ -93,6 +107,9 @@ pub enum ParkedClass {
     Reopen,
     /// Row already open (RETRYABLE_FAILED, PROCESSING): move.
     Resume,
+    /// Row PROCESSED after a redrive moved this message (the audit trail says so) and the copy
+    /// has the row's body: the redrive was killed before it acked this copy. Removed.
+    Redriven,
     /// Row PROCESSED: the effect is applied; the copy should not be in the parking lot.
     Processed,
     /// No row, but a tombstone: moving it would apply the effect again.
@@ -109,6 +126,7 @@ impl ParkedClass {
         match self {
             ParkedClass::Reopen => "reopen",
             ParkedClass::Resume => "resume",
+            ParkedClass::Redriven => "redriven",
             ParkedClass::Processed => "processed",
             ParkedClass::WouldReapply => "would_reapply",
             ParkedClass::Unknown => "unknown",
@@ -125,12 +143,51 @@ pub enum ParkedAction {
     Moved,
     /// Dry run: would be moved.
     WouldMove,
-    /// Removed from the parking lot (a PROCESSED row's copy, with `drop_processed`).
+    /// Removed from the parking lot (a `redriven` copy, or a PROCESSED row's copy with
+    /// `drop_processed`).
     Removed,
+    /// Dry run: would be removed.
+    WouldRemove,
     /// Put back: needs `force` (or `drop_processed`).
     Refused,
-    /// Put back: not selected, or a dry run.
+    /// Put back: not selected, or a PROCESSED row's copy without `drop_processed`.
     Left,
+}
+
+impl ParkedAction {
+    /// Its name in reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ParkedAction::Moved => "moved",
+            ParkedAction::WouldMove => "would_move",
+            ParkedAction::Removed => "removed",
+            ParkedAction::WouldRemove => "would_remove",
+            ParkedAction::Refused => "refused",
+            ParkedAction::Left => "left",
+        }
+    }
+
+    /// What a dry run reports for this action of a real run.
+    pub fn previewed(self) -> Self {
+        match self {
+            ParkedAction::Moved => ParkedAction::WouldMove,
+            ParkedAction::Removed => ParkedAction::WouldRemove,
+            other => other,
+        }
+    }
+}
+
+/// What a redrive does with a selected copy of `class` under `request` (a real run's action;
+/// a dry run reports [`ParkedAction::previewed`]). The one decision both share.
+pub fn planned_action(class: ParkedClass, request: &RedriveRequest) -> ParkedAction {
+    match class {
+        ParkedClass::Reopen | ParkedClass::Resume => ParkedAction::Moved,
+        ParkedClass::Redriven => ParkedAction::Removed,
+        ParkedClass::Processed if request.drop_processed => ParkedAction::Removed,
+        ParkedClass::Processed | ParkedClass::Filtered => ParkedAction::Left,
+        ParkedClass::WouldReapply | ParkedClass::Unknown if request.force => ParkedAction::Moved,
+        ParkedClass::WouldReapply | ParkedClass::Unknown => ParkedAction::Refused,
+    }
 }
 
 /// A parked copy an operator should look at (refused, or PROCESSED).
@@ -159,11 +216,12 @@ pub struct RedriveReport {
     pub examined: u64,
     /// Copies per class (`reopen`, `resume`, `processed`, ...).
     pub classes: BTreeMap<&'static str, u64>,
-    /// Copies per action (`moved`, `refused`, `left`, ...).
+    /// Copies per action (`moved`, `removed`, `refused`, `left`; a dry run's `would_move`,
+    /// `would_remove`).
     pub actions: BTreeMap<&'static str, u64>,
     /// Moved copies whose producer `user-id` could not be restored (see [`Republished`]).
     pub user_id_not_restored: u64,
-    /// Refused and PROCESSED copies, at most 1000.
+    /// Copies not moved (refused, removed, PROCESSED), at most 1000.
     pub findings: Vec<Finding>,
 }
 
@@ -175,26 +233,12 @@ impl RedriveReport {
 
     /// Copies that got `action`.
     pub fn action(&self, action: ParkedAction) -> u64 {
-        let name = match action {
-            ParkedAction::Moved => "moved",
-            ParkedAction::WouldMove => "would_move",
-            ParkedAction::Removed => "removed",
-            ParkedAction::Refused => "refused",
-            ParkedAction::Left => "left",
-        };
-        self.actions.get(name).copied().unwrap_or(0)
+        self.actions.get(action.as_str()).copied().unwrap_or(0)
     }
 
     fn note(&mut self, class: ParkedClass, action: ParkedAction) {
         *self.classes.entry(class.as_str()).or_default() += 1;
-        let name = match action {
-            ParkedAction::Moved => "moved",
-            ParkedAction::WouldMove => "would_move",
-            ParkedAction::Removed => "removed",
-            ParkedAction::Refused => "refused",
-            ParkedAction::Left => "left",
-        };
-        *self.actions.entry(name).or_default() += 1;
+        *self.actions.entry(action.as_str()).or_default() += 1;
     }
 }
 
@@ -239,7 +283,7 @@ impl Operations {
             return Ok(c);
         };
         let row = sqlx::query(AssertSqlSafe(format!(
-            "SELECT status, message_type, last_error_code FROM {} \
+            "SELECT status, message_type, last_error_code, payload_sha256 FROM {} \
              WHERE consumer_name = $1 AND message_id = $2",
             self.schema.qualify("message_inbox")
         )))
@@ -262,12 +306,27 @@ impl Operations {
                     ParkedClass::Resume,
                     format!("row already reopened ({status})"),
                 ),
-                InboxStatus::Processed => (
-                    ParkedClass::Processed,
-                    "row PROCESSED: the effect is applied; this copy is left in the parking \
-                     lot for reconciliation (drop_processed removes it)"
-                        .into(),
-                ),
+                InboxStatus::Processed => {
+                    let hash: Vec<u8> = row.try_get("payload_sha256")?;
+                    if self
+                        .left_over_by_redrive(parked, &hash, &consumer, &key)
+                        .await?
+                    {
+                        (
+                            ParkedClass::Redriven,
+                            "row PROCESSED after a redrive moved this message: this copy is \
+                             left over from a redrive stopped before its ack; removed"
+                                .into(),
+                        )
+                    } else {
+                        (
+                            ParkedClass::Processed,
+                            "row PROCESSED: the effect is applied; this copy is left in the \
+                             parking lot for reconciliation (drop_processed removes it)"
+                                .into(),
+                        )
+                    }
+                }
             };
             return Ok(c);
         }
@@ -314,6 +373,35 @@ impl Operations {
             }
         }
         Ok(c)
+    }
+
+    /// Whether a parked copy of a PROCESSED row is one a redrive already moved: the row's
+    /// audit trail has a move by a redrive (`via: redrive`: a reopen, a resume or a forced
+    /// replay), and the copy is the message that was moved (the row's body, not a payload
+    /// conflict parked beside it).
+    async fn left_over_by_redrive(
+        &self,
+        parked: &ParkedMessage,
+        row_hash: &[u8],
+        consumer: &str,
+        key: &str,
+    ) -> Result<bool, OpsError> {
+        if parked.error_code() == Some(crate::PAYLOAD_CONFLICT)
+            || !body_hashes(parked).iter().any(|h| h.as_slice() == row_hash)
+        {
+            return Ok(false);
+        }
+        Ok(sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT EXISTS (SELECT 1 FROM {} WHERE consumer_name = $1 AND message_id = $2 \
+               AND details ->> 'via' = $3)",
+            self.schema.qualify("inbox_audit")
+        )))
+        .persistent(false)
+        .bind(consumer)
+        .bind(key)
+        .bind(REDRIVE)
+        .fetch_one(&self.pool)
+        .await?)
     }
 
     fn selected(&self, request: &RedriveRequest, parked: &ParkedMessage, c: &Classified) -> bool {
@@ -452,11 +540,7 @@ impl Operations {
                 held.push(parked);
                 continue;
             }
-            let movable = match c.class {
-                ParkedClass::Reopen | ParkedClass::Resume => true,
-                ParkedClass::WouldReapply | ParkedClass::Unknown => request.force,
-                ParkedClass::Processed | ParkedClass::Filtered => false,
-            };
+            let planned = planned_action(c.class, request);
             let finding = |action| Finding {
                 message_id: c.key.clone(),
                 consumer: c.consumer.clone(),
@@ -474,75 +558,82 @@ impl Operations {
                 }
             };
             let (true, Some(actor)) = (!request.dry_run, actor) else {
-                // Dry run: classify only.
-                let action = if movable {
+                // Dry run: what the real run would do, nothing done.
+                if planned == ParkedAction::Moved {
                     moving += 1;
-                    ParkedAction::WouldMove
-                } else if c.class == ParkedClass::Processed {
-                    ParkedAction::Left
-                } else {
-                    ParkedAction::Refused
-                };
-                record(report, action);
+                }
+                record(report, planned.previewed());
                 held.push(parked);
                 continue;
             };
-            if c.class == ParkedClass::Processed && request.drop_processed {
-                let mut tx = self.pool.begin().await?;
-                audit(
-                    &mut tx,
-                    &self.schema,
-                    actor,
-                    DROP_PROCESSED,
-                    c.consumer.as_deref(),
-                    c.key.as_deref(),
-                    json!({ "parking_queue": lot.parking_queue() }),
-                )
-                .await?;
-                tx.commit().await?;
-                lot.remove(parked).await?;
-                record(report, ParkedAction::Removed);
-                continue;
-            }
-            if !movable {
-                let action = if c.class == ParkedClass::Processed {
-                    ParkedAction::Left
-                } else {
-                    ParkedAction::Refused
-                };
-                record(report, action);
-                held.push(parked);
-                continue;
-            }
-            if let Some(pace) = pace.as_mut() {
-                pace.tick().await;
-            }
-            match self.move_copy(lot, &parked, &c, actor).await {
-                Ok(Some(republished)) => {
+            match planned {
+                ParkedAction::Removed => {
+                    let action = if c.class == ParkedClass::Redriven {
+                        DROP_REDRIVEN
+                    } else {
+                        DROP_PROCESSED
+                    };
+                    let mut tx = self.pool.begin().await?;
+                    audit(
+                        &mut tx,
+                        &self.schema,
+                        actor,
+                        action,
+                        c.consumer.as_deref(),
+                        c.key.as_deref(),
+                        json!({ "parking_queue": lot.parking_queue() }),
+                    )
+                    .await?;
+                    tx.commit().await?;
                     lot.remove(parked).await?;
-                    if republished.user_id_kept_in_header {
-                        report.user_id_not_restored += 1;
+                    record(report, ParkedAction::Removed);
+                }
+                ParkedAction::Moved => {
+                    if let Some(pace) = pace.as_mut() {
+                        pace.tick().await;
                     }
-                    moving += 1;
-                    record(report, ParkedAction::Moved);
+                    match self.move_copy(lot, &parked, &c, actor).await {
+                        Ok(Some(republished)) => {
+                            #[cfg(feature = "fault-injection")]
+                            self.redrive_faults
+                                .at(crate::fault::RedriveStep::AfterConfirm, c.key.as_deref())
+                                .await;
+                            lot.remove(parked).await?;
+                            if republished.user_id_kept_in_header {
+                                report.user_id_not_restored += 1;
+                            }
+                            moving += 1;
+                            record(report, ParkedAction::Moved);
+                        }
+                        // The row changed between classification and its lock (a consumer or
+                        // another operator got there first): leave the copy for the next pass.
+                        Ok(None) => {
+                            record(report, ParkedAction::Left);
+                            held.push(parked);
+                        }
+                        // Before the commit nothing changed; after it the row is open and the
+                        // copy goes back to the parking lot, for the next pass to resume.
+                        Err(e) => {
+                            held.push(parked);
+                            return Err(e);
+                        }
+                    }
                 }
-                // The row changed between classification and its lock (a consumer or another
-                // operator got there first): leave the copy for the next pass.
-                Ok(None) => {
-                    record(report, ParkedAction::Left);
+                ParkedAction::Left
+                | ParkedAction::Refused
+                | ParkedAction::WouldMove
+                | ParkedAction::WouldRemove => {
+                    record(report, planned);
                     held.push(parked);
-                }
-                Err(e) => {
-                    held.push(parked);
-                    return Err(e);
                 }
             }
         }
         Ok(())
     }
 
-    /// Reopens (or audits) and republishes one copy in one transaction, committed after the
-    /// broker confirmed the publish. `None`: the row no longer fits the class.
+    /// Reopens (or audits) the row of one copy and commits, then republishes the copy and waits
+    /// for the broker's confirm: the row is open before its copy can reach the consumer. `None`:
+    /// the row no longer fits the class (nothing changed).
     async fn move_copy(
         &self,
         lot: &ParkingLot,
@@ -619,9 +710,18 @@ impl Operations {
             }
             _ => return Ok(None),
         }
-        // Published inside the transaction: if the publish fails, nothing changed.
-        let republished = lot.republish(parked).await?;
+        #[cfg(feature = "fault-injection")]
+        self.redrive_faults
+            .at(crate::fault::RedriveStep::BeforeCommit, c.key.as_deref())
+            .await;
         tx.commit().await?;
+        #[cfg(feature = "fault-injection")]
+        self.redrive_faults
+            .at(crate::fault::RedriveStep::AfterCommit, c.key.as_deref())
+            .await;
+        // A failed publish leaves the row open and the parked copy (unacked) goes back: the
+        // next pass resumes it.
+        let republished = lot.republish(parked).await?;
         Ok(Some(republished))
     }
 }
