@@ -43,7 +43,8 @@ pub(crate) struct CleanupArgs {
     /// Tombstones of removed rows are kept this long.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "180days")]
     tombstone_retention: Duration,
-    /// How long after parking a message may still be replayed from the parking lot.
+    /// How long after parking a message may still be replayed from the parking lot (the
+    /// consumer's `retention.parking_replay_window`).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "14days")]
     replay_window: Duration,
     /// The consumer's retry tiers, for the window check [default: the library's].
@@ -142,7 +143,11 @@ pub(crate) async fn run(servers: &Servers, args: CleanupArgs) -> anyhow::Result<
         // Refused (an unsafe window, another cleaner at work): exit 1, like every refusal.
         Err(OpsError::Refused(why)) => {
             drop(bar);
-            eprintln!("cleanup of {}: refused: {why}", request.consumer);
+            eprintln!(
+                "cleanup of {}: refused: {}",
+                request.consumer,
+                in_flag_names(&why)
+            );
             return Ok(ExitCode::FAILURE);
         }
         Err(e) => return Err(e).with_context(|| format!("cleanup of {}", request.consumer)),
@@ -150,6 +155,23 @@ pub(crate) async fn run(servers: &Servers, args: CleanupArgs) -> anyhow::Result<
     drop(bar);
     args.inbox.print(&report, render)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// A refusal names the library's settings (`retention.processed`, ...); on the command line
+/// they are this command's flags.
+fn in_flag_names(message: &str) -> String {
+    [
+        ("retention.parking_replay_window", "--replay-window"),
+        ("retention.processed", "--processed-retention"),
+        ("retention.parked", "--parked-retention"),
+        // `retention.per_type["ledger.entry"].processed` -> `--type-retention "ledger.entry"`
+        ("retention.per_type[", "--type-retention "),
+        ("].processed", ""),
+    ]
+    .into_iter()
+    .fold(message.to_owned(), |m, (setting, flag)| {
+        m.replace(setting, flag)
+    })
 }
 
 fn render(r: &CleanupReport) -> comfy_table::Table {

@@ -133,10 +133,14 @@ enum Command {
     Redrive(redrive::RedriveArgs),
     /// Reopen one inbox row so that the next delivery of its message runs the handler again
     /// (attempts reset), audited with --actor and --reason. A PROCESSED row needs
-    /// --force-replay (its effect applies again); the row is never deleted. Exit code 1 if
-    /// refused.
+    /// --force-replay (its next delivery runs the handler again: the effect applies again
+    /// unless the handler's rules refuse it, which parks the message); the row is never
+    /// deleted. Exit code 1 if refused or if the inbox has no such row.
     #[command(
-        after_help = "Example:\n  inboxctl reopen invoice-42 --schema billing --consumer invoicer --actor alice --reason 'customer disputed, re-run'"
+        after_help = "Example:\n  inboxctl reopen invoice-42 --schema billing --consumer invoicer --actor alice --reason 'customer disputed, re-run'",
+        mut_arg("consumer", |a| a.required(true).help(
+            "Consumer name (the inbox key's second half); required: a reopen acts on one row"
+        ))
     )]
     Reopen(reopen::ReopenArgs),
     /// Recover messages whose path was lost: PROCESSING rows whose lease expired (a worker
@@ -157,7 +161,10 @@ enum Command {
     #[command(after_help = "Examples:\n  \
         inboxctl cleanup --schema order_service --consumer order-service --dry-run\n  \
         inboxctl cleanup --schema order_service --consumer order-service \\\n    \
-        --processed-retention 30days --scrub-after 3days --type-retention ledger.entry=90days --archive")]
+        --processed-retention 30days --scrub-after 3days --type-retention ledger.entry=90days --archive",
+        mut_arg("consumer", |a| a.required(true).help(
+            "Consumer name (the inbox key's second half); required: retention runs per consumer"
+        )))]
     Cleanup(cleanup::CleanupArgs),
     /// Measure retention at scale: fill an inbox in a scratch schema (10 million rows by
     /// default), run a consumer-like claim load alone, then beside `cleanup`; print the delete

@@ -42,7 +42,9 @@ pub(crate) async fn run(servers: &Servers, args: ReopenArgs) -> anyhow::Result<E
             args.inbox.print(&reopened, render)?;
             Ok(ExitCode::SUCCESS)
         }
-        Err(e @ OpsError::Refused(_)) => {
+        // Refused, or no such row (a mistyped id, another consumer's, a row retention
+        // removed without a tombstone): nothing to reopen, like a refusal.
+        Err(e @ (OpsError::Refused(_) | OpsError::Invalid(_))) => {
             eprintln!("{e}");
             Ok(ExitCode::FAILURE)
         }

@@ -1,7 +1,7 @@
 //! `inboxctl cleanup` and `inboxctl grants` as an operator runs them, on an inbox of a small
 //! service of its own (not the example): a dry run changes nothing and says what would go, an
 //! unsafe window exits non-zero and says what to set, a forced run is audited, `grants` prints
-//! SQL that PostgreSQL accepts.
+//! SQL that PostgreSQL accepts; the exit codes the README gives for `cleanup` and `reopen`.
 
 use std::{
     hash::{BuildHasher, RandomState},
@@ -226,4 +226,98 @@ async fn cleanup_and_grants_from_the_command_line() {
     .execute(&pool)
     .await
     .expect("role dropped");
+}
+
+fn stderr_of(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[tokio::test]
+async fn cleanup_and_reopen_exit_as_documented() {
+    let h = RandomState::new().hash_one((SystemTime::now(), std::process::id()));
+    let schema = format!("t_cli_exit_{h:016x}");
+    let _drop = DropSchema(schema.clone());
+    let pool = PgPool::connect(&database_url()).await.expect("PostgreSQL");
+    let name = rabbit_inbox::SchemaName::new(&schema).expect("valid");
+    rabbit_inbox::migrate(&pool, &name).await.expect("migrated");
+    let cleanup = |extra: &[&str]| {
+        let mut args = vec!["cleanup", "--schema", &schema, "--consumer", "svc"];
+        args.extend_from_slice(extra);
+        args.into_iter().map(str::to_owned).collect::<Vec<_>>()
+    };
+    let run = async |args: Vec<String>| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        inboxctl(&args).await
+    };
+
+    // The README's refused window, with its flags: exit 1, and the message names the flags to
+    // change.
+    let refused = run(cleanup(&[
+        "--processed-retention",
+        "1day",
+        "--scrub-after",
+        "12h",
+    ]))
+    .await;
+    let stderr = stderr_of(&refused);
+    assert_eq!(refused.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--processed-retention = 1day is shorter than")
+            && stderr.contains("set --processed-retention to at least 14days 2m 36s")
+            && stderr.contains("or shorten --replay-window"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("retention."), "setting names: {stderr}");
+    // Without --scrub-after, the default (3 days) outlives 1-day rows: a bad setting, exit 2.
+    let scrub = run(cleanup(&["--processed-retention", "1day"])).await;
+    assert_eq!(scrub.status.code(), Some(2), "{}", stderr_of(&scrub));
+    assert!(stderr_of(&scrub).contains("scrub_payload_after"));
+    // --force needs --actor and --reason: a bad argument, exit 2 (nothing runs).
+    let unnamed = run(cleanup(&[
+        "--processed-retention",
+        "1day",
+        "--scrub-after",
+        "12h",
+        "--force",
+    ]))
+    .await;
+    assert_eq!(unnamed.status.code(), Some(2), "{}", stderr_of(&unnamed));
+    assert!(stderr_of(&unnamed).contains("--actor"));
+    // Retention runs per consumer: --consumer is required, and --help says so.
+    let everyone = inboxctl(&["cleanup", "--schema", &schema, "--dry-run"]).await;
+    assert_eq!(everyone.status.code(), Some(2));
+    assert!(stderr_of(&everyone).contains("--consumer"));
+
+    // reopen acts on one row: --consumer is required (exit 2), and the help says so.
+    let help = inboxctl(&["reopen", "--help"]).await;
+    let help = String::from_utf8_lossy(&help.stdout);
+    let consumer_help = help
+        .lines()
+        .find(|l| l.trim_start().starts_with("--consumer"))
+        .unwrap_or_default();
+    assert!(
+        consumer_help.contains("required") && !consumer_help.contains("all consumers"),
+        "{consumer_help}"
+    );
+    let actor = ["--actor", "alice", "--reason", "fix deployed"];
+    let mut no_consumer = vec!["reopen", "inv-1", "--schema", &schema];
+    no_consumer.extend_from_slice(&actor);
+    let out = inboxctl(&no_consumer).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    // An id the inbox has no row for: nothing to reopen, exit 1.
+    let mut unknown = vec!["reopen", "inv-1", "--schema", &schema, "--consumer", "svc"];
+    unknown.extend_from_slice(&actor);
+    let out = inboxctl(&unknown).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
+    assert!(stderr_of(&out).contains("no inbox row for inv-1"));
+    assert_eq!(
+        count(
+            &pool,
+            format!("SELECT count(*) FROM \"{schema}\".inbox_audit")
+        )
+        .await,
+        0,
+        "nothing ran"
+    );
+    pool.close().await;
 }
