@@ -258,7 +258,8 @@ async function redrive(dryRun) {
   if (!current) return;
   const report = await api("/api/v1/redrive", { method: "POST", body: redriveBody(dryRun) });
   showRedrive(report);
-  $("redrive-run").disabled = !dryRun || !(report.actions.would_move > 0);
+  $("redrive-run").disabled =
+    !dryRun || !(report.actions.would_move > 0 || report.actions.would_remove > 0);
   if (!dryRun) await refresh();
 }
 

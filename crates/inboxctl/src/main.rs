@@ -122,11 +122,13 @@ enum Command {
     Failures(failures::FailuresArgs),
     /// Move parked messages back to the work queue after a fix. Each parked copy is classified
     /// against its inbox row: parked row -> reopened (audited) and moved; row already open ->
-    /// moved; PROCESSED -> left in place (a finding; --drop-processed removes it); row removed
-    /// by retention or unknown -> refused unless --force. Each move is published with a
-    /// confirm before the parked copy is acked, so a redrive killed midway loses nothing and
-    /// the inbox drops any second copy. Moving needs --actor and --reason; exit code 1 if any
-    /// message was refused.
+    /// moved; PROCESSED after a redrive moved it -> removed (audited: left by a killed
+    /// redrive); other PROCESSED -> left in place (a finding; --drop-processed removes it);
+    /// row removed by retention or unknown -> refused unless --force. Each row's reopen
+    /// commits before its copy is published with a confirm, and the parked copy is acked
+    /// last, so a redrive killed midway loses nothing and running it again finishes the job.
+    /// --dry-run reports what the run would do. Moving needs --actor and --reason; exit code 1
+    /// if any message was refused.
     #[command(
         after_help = "Examples:\n  inboxctl redrive --schema billing --queue invoices --dry-run\n  inboxctl redrive --schema billing --queue invoices --error-code tax_lookup_failed --rate 50 \\\n      --actor alice --reason 'tax service fixed' --ticket INC-7"
     )]

@@ -24,7 +24,7 @@ pub(crate) struct RedriveArgs {
     /// The parking-lot queue, when not `<queue>.parking-lot`.
     #[arg(long)]
     parking_queue: Option<String>,
-    /// Classify and count only; nothing moves.
+    /// Report what the run would do (would_move, would_remove), changing nothing.
     #[arg(long)]
     dry_run: bool,
     /// Only this message type.
@@ -50,7 +50,7 @@ pub(crate) struct RedriveArgs {
     #[arg(long)]
     force: bool,
     /// Remove copies whose row is PROCESSED (effect already applied) instead of leaving them
-    /// in the parking lot; audited.
+    /// in the parking lot; audited. (A copy left by a killed redrive is removed without it.)
     #[arg(long)]
     drop_processed: bool,
     #[command(flatten)]

@@ -675,8 +675,12 @@ async fn a_copy_left_over_by_a_killed_redrive_is_removed_by_the_next_run() {
     }
 }
 
-/// A dry run's counts with its `would_` actions named as the real run's.
-fn as_run(report: &rabbit_inbox::ops::RedriveReport) -> (Vec<(String, u64)>, Vec<(String, u64)>) {
+/// Counts by name.
+type Counts = Vec<(String, u64)>;
+
+/// A report's counts per class and per action, a dry run's `would_` actions named as the real
+/// run's.
+fn as_run(report: &rabbit_inbox::ops::RedriveReport) -> (Counts, Counts) {
     let classes = report
         .classes
         .iter()
