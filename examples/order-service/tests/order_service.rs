@@ -453,3 +453,41 @@ async fn duplicate_payment_delivery_never_double_pays() {
     }
     assert_eq!(svc.depths().await, EMPTY);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_replay_of_a_payment_the_rules_refuse_ends_permanent_failed_and_parked() {
+    let svc = Service::new().await;
+    let consumer = svc.start();
+    svc.publish(&order_placed("m1", "o1", "alice", 1000)).await;
+    svc.publish(&payment_received("p1", "o1", 1000)).await;
+    svc.wait_for_record("p1", "PROCESSED", is(InboxStatus::Processed))
+        .await;
+
+    // An operator forces a replay of the payment; its next delivery runs the handler again,
+    // and the order, now PAID, refuses a second payment.
+    let ops = rabbit_inbox::ops::Operations::new(svc.pool.clone(), svc.schema.clone());
+    let actor = rabbit_inbox::ops::Actor::new("alice", "customer disputed the payment")
+        .expect("valid actor");
+    let replay = ops
+        .reopen("p1", &svc.config.consumer_name, &actor, true)
+        .await
+        .expect("forced replay");
+    assert_eq!(replay.action, rabbit_inbox::ops::FORCED_REPLAY);
+    svc.publish(&payment_received("p1", "o1", 1000)).await;
+    let refused = svc
+        .wait_for_record("p1", "PERMANENT_FAILED", is(InboxStatus::PermanentFailed))
+        .await;
+    wait_for("the refused replay in the parking lot", async || {
+        svc.depths().await.parking == 1
+    })
+    .await;
+    consumer.stop().await;
+
+    assert_eq!(
+        refused.last_error_code.as_deref(),
+        Some("invalid_transition")
+    );
+    let (status, _, paid, _) = svc.order("o1").await.expect("order");
+    assert_eq!((status.as_str(), paid), ("PAID", 1000), "paid once");
+    assert_eq!(svc.count("payment_history").await, 1);
+}
