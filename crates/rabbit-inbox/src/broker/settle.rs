@@ -220,11 +220,20 @@ impl Settler {
                     )
                 }
                 // Not the row's retry: the row is another consumer's, and nothing is noted.
-                Outcome::InFlightElsewhere => (
-                    self.retry_tier(1),
-                    copy_properties(&pending.delivery, FieldTable::default()),
-                    None,
-                ),
+                // Attempt 0 names no scheduled retry, so a scheduled copy passing through here
+                // does not come back as one.
+                Outcome::InFlightElsewhere => {
+                    let mut unscheduled = FieldTable::default();
+                    unscheduled.insert(
+                        parking_headers::RETRY_ATTEMPT.into(),
+                        AMQPValue::LongLongInt(0),
+                    );
+                    (
+                        self.retry_tier(1),
+                        copy_properties(&pending.delivery, unscheduled),
+                        None,
+                    )
+                }
                 Outcome::Parked {
                     status,
                     code,
