@@ -59,7 +59,8 @@ mod store;
 pub mod telemetry;
 
 pub use broker::{
-    AmqpAddresses, Broker, DEFAULT_MANAGEMENT_PORT, ManagementClient, ManagementError,
+    AmqpAddresses, AmqpTls, Broker, DEFAULT_MANAGEMENT_PORT, DEFAULT_MANAGEMENT_TLS_PORT,
+    ManagementClient, ManagementError,
     OutgoingMessage, ParkedMessage, ParkingLot, QueueDepth, QueueDepths, QueueInfo, QueueSetting,
     Republished, parking_headers,
 };
