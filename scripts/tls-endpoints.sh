@@ -11,7 +11,8 @@
 #
 # RabbitMQ: node inbox-tls@localhost, AMQPS on 127.0.0.1:5691 and 127.0.0.2:5691 (the second
 # address is not in the server certificate: a host name check must refuse it), distribution on
-# 25691, management API on https://127.0.0.1:15691. PostgreSQL: port 5442 on the same two
+# 25691, management API on https://127.0.0.1:15691 (and 127.0.0.2; every address, as the
+# management plugin binds one; guest stays loopback-only). PostgreSQL: port 5442 on the same two
 # addresses, TLS only (hostssl, trust; database `inbox_mtls` also wants a client
 # certificate). Everything lives under $RABBIT_INBOX_TLS_DIR (default /tmp/rabbit-inbox-tls).
 set -euo pipefail
@@ -91,9 +92,8 @@ ssl_options.certfile = $d/certs/server.pem
 ssl_options.keyfile = $d/certs/server.key
 ssl_options.verify = verify_peer
 ssl_options.fail_if_no_peer_cert = true
-loopback_users.guest = false
 management.ssl.port = $MGMT_PORT
-management.ssl.ip = 127.0.0.1
+management.ssl.ip = 0.0.0.0
 management.ssl.cacertfile = $d/certs/ca.pem
 management.ssl.certfile = $d/certs/server.pem
 management.ssl.keyfile = $d/certs/server.key

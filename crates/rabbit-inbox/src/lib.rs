@@ -60,9 +60,8 @@ pub mod telemetry;
 
 pub use broker::{
     AmqpAddresses, AmqpTls, Broker, DEFAULT_MANAGEMENT_PORT, DEFAULT_MANAGEMENT_TLS_PORT,
-    ManagementClient, ManagementError,
-    OutgoingMessage, ParkedMessage, ParkingLot, QueueDepth, QueueDepths, QueueInfo, QueueSetting,
-    Republished, parking_headers,
+    ManagementClient, ManagementError, OutgoingMessage, ParkedMessage, ParkingLot, QueueDepth,
+    QueueDepths, QueueInfo, QueueSetting, Republished, parking_headers,
 };
 pub use broker::{HEADER_TOO_DEEP, MAX_HEADER_DEPTH};
 #[doc(hidden)]

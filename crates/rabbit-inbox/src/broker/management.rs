@@ -192,8 +192,7 @@ impl ManagementClient {
                         "amqps" => format!("https://{host}:{DEFAULT_MANAGEMENT_TLS_PORT}/"),
                         _ => format!("http://{host}:{DEFAULT_MANAGEMENT_PORT}/"),
                     };
-                    Url::parse(&base)
-                        .map_err(|e| ManagementError::InvalidUrl(e.to_string()))
+                    Url::parse(&base).map_err(|e| ManagementError::InvalidUrl(e.to_string()))
                 })
                 .collect::<Result<_, _>>()?,
         };

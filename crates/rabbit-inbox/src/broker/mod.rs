@@ -34,7 +34,6 @@ mod tls;
 mod topology;
 
 pub use addresses::AmqpAddresses;
-pub use tls::AmqpTls;
 pub(crate) use confirmed::{ConfirmedLink, Publication, PublishResult};
 pub use headers::{HEADER_TOO_DEEP, MAX_HEADER_DEPTH, convert_headers, headers_to_json};
 pub use management::{
@@ -49,6 +48,7 @@ pub(crate) use session::{ConnectionHandle, drop_connection};
 pub(crate) use session::{PendingDelivery, Session, is_fatal};
 pub(crate) use settle::Settler;
 pub use settle::parking_headers;
+pub use tls::AmqpTls;
 
 use lapin::Connection;
 

@@ -52,7 +52,11 @@ impl AmqpTls {
             return Ok(amqp_urls.to_owned());
         }
         let mut out = Vec::new();
-        for entry in amqp_urls.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        for entry in amqp_urls
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+        {
             let mut url = Url::parse(entry).map_err(|e| {
                 BrokerError::InvalidAddress(format!("{}: {e}", super::addresses::redacted(entry)))
             })?;
@@ -262,7 +266,10 @@ mod tests {
         }
         assert!(list.contains("heartbeat=10"), "{list}");
         assert!(!list.contains("old.pem"), "{list}");
-        assert_eq!(AmqpTls::default().apply_to("amqp://x").expect("same"), "amqp://x");
+        assert_eq!(
+            AmqpTls::default().apply_to("amqp://x").expect("same"),
+            "amqp://x"
+        );
     }
 
     #[test]
@@ -275,7 +282,8 @@ mod tests {
         assert!(shown.contains("CA file /nonexistent/ca.pem"), "{shown}");
         assert!(shown.contains("cannot be read"), "{shown}");
 
-        let dir = std::env::temp_dir().join(format!("rabbit-inbox-tls-unit-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("rabbit-inbox-tls-unit-{}", std::process::id()));
         fs::create_dir_all(&dir).expect("dir");
         let not_pem = dir.join("not-a-cert.pem");
         fs::write(&not_pem, "hello").expect("write");
