@@ -1,7 +1,7 @@
 //! `consume`'s observability: the Prometheus exporter over the library's metrics catalog and,
 //! when an OTLP endpoint is given, the export of the delivery spans.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::Context;
 use clap::Args;
@@ -34,6 +34,79 @@ pub(crate) struct ObserveArgs {
     /// (protobuf) to this collector URL (e.g. http://127.0.0.1:4318/v1/traces).
     #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", value_name = "URL")]
     pub(crate) otlp_endpoint: Option<String>,
+    #[command(flatten)]
+    pub(crate) otlp_tls: OtlpTls,
+}
+
+/// TLS of the OTLP export to an `https://` collector (the OpenTelemetry SDK's variables).
+#[derive(Args, Clone, Debug, Default)]
+pub(crate) struct OtlpTls {
+    /// CA certificate file (PEM) trusted for an https:// collector beside the system roots.
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+        value_name = "PEM"
+    )]
+    pub(crate) otlp_ca_file: Option<PathBuf>,
+    /// Client certificate file (PEM) for a collector that requires one; needs
+    /// --otlp-client-key.
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
+        value_name = "PEM",
+        requires = "otlp_client_key"
+    )]
+    pub(crate) otlp_client_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM, unencrypted).
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY",
+        value_name = "PEM",
+        requires = "otlp_client_cert"
+    )]
+    pub(crate) otlp_client_key: Option<PathBuf>,
+}
+
+/// How long one export request may take (the OTLP default).
+const OTLP_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl OtlpTls {
+    /// The exporter's HTTP client: the system roots and the CA file, the client certificate.
+    fn http_client(&self) -> anyhow::Result<reqwest::blocking::Client> {
+        let read = |path: &PathBuf, what: &str| {
+            std::fs::read(path).with_context(|| format!("OTLP {what} {}", path.display()))
+        };
+        let mut builder = reqwest::blocking::Client::builder().timeout(OTLP_TIMEOUT);
+        if let Some(path) = &self.otlp_ca_file {
+            let certs = reqwest::Certificate::from_pem_bundle(&read(path, "CA file")?)
+                .with_context(|| {
+                    format!("OTLP CA file {}: not PEM certificates", path.display())
+                })?;
+            anyhow::ensure!(
+                !certs.is_empty(),
+                "OTLP CA file {}: holds no PEM certificate",
+                path.display()
+            );
+            builder = builder.tls_certs_merge(certs);
+        }
+        if let (Some(cert), Some(key)) = (&self.otlp_client_cert, &self.otlp_client_key) {
+            let pem = [read(cert, "client certificate")?, read(key, "client key")?].join(&b'\n');
+            let identity = reqwest::Identity::from_pem(&pem).with_context(|| {
+                format!(
+                    "OTLP client certificate {} with key {}",
+                    cert.display(),
+                    key.display()
+                )
+            })?;
+            builder = builder.identity(identity);
+        }
+        // The blocking client runs a runtime of its own, which must not be built (or dropped)
+        // on one of the async runtime's threads.
+        std::thread::spawn(move || builder.build())
+            .join()
+            .map_err(|_| anyhow::anyhow!("building the OTLP HTTP client panicked"))?
+            .context("building the OTLP HTTP client")
+    }
 }
 
 impl ObserveArgs {
@@ -100,13 +173,16 @@ impl SpanExport {
     /// The layer that sends the library's delivery spans to `endpoint`, and its guard.
     pub(crate) fn start<S>(
         endpoint: &str,
+        tls: &OtlpTls,
     ) -> anyhow::Result<(impl tracing_subscriber::Layer<S> + use<S>, SpanExport)>
     where
         S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
     {
+        use opentelemetry_otlp::WithHttpConfig as _;
         use tracing_subscriber::Layer as _;
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
+            .with_http_client(tls.http_client()?)
             .with_endpoint(endpoint)
             .build()
             .with_context(|| format!("OTLP exporter for {endpoint}"))?;
