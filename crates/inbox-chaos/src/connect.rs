@@ -67,6 +67,11 @@ fn broker_unreachable(url: &str, e: BrokerError, hint: &str) -> anyhow::Error {
                 "{e}\n  (set by --amqp-ca-file, --amqp-client-cert, --amqp-client-key or AMQP_URL)"
             )
         }
+        BrokerError::TlsHandshake { .. } => anyhow!(
+            "{e}\n  Check --amqp-ca-file (AMQP_CA_FILE) against the CA that signed the broker's \
+             certificate, the host in AMQP_URL against the names the certificate holds, and \
+             --amqp-client-cert/--amqp-client-key if the broker requires a client certificate."
+        ),
         e => anyhow!(
             "cannot reach RabbitMQ at {} ({e}).\n  Start it with: rabbitmq-server -detached\n  {hint}",
             broker_addresses(url)

@@ -58,6 +58,15 @@ pub enum BrokerError {
         /// Why it cannot be used.
         reason: String,
     },
+    /// The TLS handshake with a broker address failed: its certificate was refused (unknown
+    /// CA, another host name, expired) or it refused ours.
+    #[error("TLS with RabbitMQ at {node} failed: {reason}")]
+    TlsHandshake {
+        /// `host:port`.
+        node: String,
+        /// What rustls reported.
+        reason: String,
+    },
     /// The TLS settings do not fit together (a certificate without its key, files for a plain
     /// `amqp://` URL).
     #[error("TLS settings: {0}")]

@@ -104,7 +104,7 @@ impl AmqpAddresses {
                     }
                     return Ok(connection);
                 }
-                Ok(Err(e)) => BrokerError::from(e),
+                Ok(Err(e)) => tls_refusal(&e, &node.label).unwrap_or_else(|| e.into()),
                 Err(_) => BrokerError::ConnectTimeout(node.label.clone()),
             };
             if self.nodes.len() > 1 {
@@ -130,6 +130,18 @@ impl fmt::Display for AmqpAddresses {
         let labels: Vec<&str> = self.nodes().collect();
         f.write_str(&labels.join(","))
     }
+}
+
+/// The TLS handshake's failure, if that is what `e` is: a certificate refused by either side.
+fn tls_refusal(e: &lapin::Error, node: &str) -> Option<BrokerError> {
+    let lapin::ErrorKind::IOError(io) = e.kind() else {
+        return None;
+    };
+    let tls = io.get_ref()?.downcast_ref::<rustls::Error>()?;
+    Some(BrokerError::TlsHandshake {
+        node: node.to_owned(),
+        reason: tls.to_string(),
+    })
 }
 
 /// `url` with any password replaced, for error messages.

@@ -96,6 +96,8 @@ pub(crate) fn is_fatal(e: &BrokerError) -> bool {
         // Readable when the consumer was built: a certificate being renewed may be back by
         // the next attempt.
         BrokerError::TlsFile { .. } => false,
+        // Either side may be renewing its certificate; the next attempt may pass.
+        BrokerError::TlsHandshake { .. } => false,
     }
 }
 
