@@ -212,3 +212,146 @@ impl Drop for SpanExport {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{path::Path, sync::Arc};
+
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+    use tokio::{
+        io::{AsyncReadExt, AsyncWriteExt},
+        sync::mpsc,
+    };
+    use tracing_subscriber::layer::SubscriberExt as _;
+
+    use super::*;
+
+    /// The certificates of `scripts/tls-endpoints.sh start`, or `None` after saying so.
+    fn certificates() -> Option<PathBuf> {
+        let dir = std::env::var("RABBIT_INBOX_TLS_DIR")
+            .map_or_else(|_| PathBuf::from("/tmp/rabbit-inbox-tls"), PathBuf::from)
+            .join("certs");
+        if dir.join("server.pem").exists() {
+            Some(dir)
+        } else {
+            eprintln!("skipped: no TLS test certificates; run scripts/tls-endpoints.sh start");
+            None
+        }
+    }
+
+    /// An HTTPS collector on 127.0.0.1 with the script's server certificate (for localhost):
+    /// reports each request line, or the failed handshake, and answers 200.
+    async fn collector(certs: &Path) -> (u16, mpsc::UnboundedReceiver<String>) {
+        let chain = CertificateDer::pem_file_iter(certs.join("server.pem"))
+            .expect("server.pem")
+            .collect::<Result<Vec<_>, _>>()
+            .expect("certificates");
+        let key = PrivateKeyDer::from_pem_file(certs.join("server.key")).expect("server.key");
+        let config = rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .expect("server config");
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let (report, requests) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let (acceptor, report) = (acceptor.clone(), report.clone());
+                tokio::spawn(async move {
+                    let mut tls = match acceptor.accept(stream).await {
+                        Ok(tls) => tls,
+                        Err(e) => {
+                            let _ = report.send(format!("handshake failed: {e}"));
+                            return;
+                        }
+                    };
+                    // The request head; the body is not needed.
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match tls.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let line = String::from_utf8_lossy(&head)
+                        .lines()
+                        .next()
+                        .unwrap_or_default()
+                        .to_owned();
+                    let _ = report.send(line);
+                    let _ = tls
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                        )
+                        .await;
+                    let _ = tls.shutdown().await;
+                });
+            }
+        });
+        (port, requests)
+    }
+
+    /// Exports one delivery span to `endpoint` and flushes.
+    async fn export_one_span(endpoint: String, tls: OtlpTls) {
+        tokio::task::spawn_blocking(move || {
+            let (layer, export) =
+                SpanExport::start::<tracing_subscriber::Registry>(&endpoint, &tls)
+                    .expect("exporter");
+            let subscriber = tracing_subscriber::registry().with(layer);
+            tracing::subscriber::with_default(subscriber, || {
+                tracing::info_span!(target: "rabbit_inbox::delivery", "inbox.delivery")
+                    .in_scope(|| {});
+            });
+            drop(export);
+        })
+        .await
+        .expect("export thread");
+    }
+
+    #[tokio::test]
+    async fn spans_go_to_an_https_collector_verified_against_the_ca_file() {
+        let Some(certs) = certificates() else { return };
+        let (port, mut requests) = collector(&certs).await;
+        let endpoint = format!("https://localhost:{port}/v1/traces");
+
+        let trusted = OtlpTls {
+            otlp_ca_file: Some(certs.join("ca.pem")),
+            ..OtlpTls::default()
+        };
+        export_one_span(endpoint.clone(), trusted).await;
+        let request = tokio::time::timeout(Duration::from_secs(10), requests.recv())
+            .await
+            .expect("the collector was reached")
+            .expect("a request");
+        assert_eq!(request, "POST /v1/traces HTTP/1.1");
+
+        // A CA that did not sign the collector's certificate: the client ends the handshake.
+        let untrusted = OtlpTls {
+            otlp_ca_file: Some(certs.join("other-ca.pem")),
+            ..OtlpTls::default()
+        };
+        export_one_span(endpoint, untrusted).await;
+        let refused = tokio::time::timeout(Duration::from_secs(10), requests.recv())
+            .await
+            .expect("the collector saw the attempt")
+            .expect("a report");
+        assert!(refused.starts_with("handshake failed"), "{refused}");
+    }
+
+    #[test]
+    fn a_bad_ca_file_is_named() {
+        let tls = OtlpTls {
+            otlp_ca_file: Some("/nonexistent/collector-ca.pem".into()),
+            ..OtlpTls::default()
+        };
+        let e = tls.http_client().expect_err("missing file");
+        assert!(
+            format!("{e:#}").contains("OTLP CA file /nonexistent/collector-ca.pem"),
+            "{e:#}"
+        );
+    }
+}
