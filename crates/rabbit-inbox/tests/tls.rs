@@ -15,6 +15,7 @@ mod util;
 
 use std::{net::TcpStream, path::PathBuf, time::Duration};
 
+use rabbit_inbox::ops::{DoctorRequest, Operations, Severity, check_ids as ids};
 use rabbit_inbox::{
     AmqpTls, Broker, BrokerError, ConfigError, Consumer, HandlerError, InboxMessage, InboxStatus,
     InboxStore, ManagementClient, ManagementError, SchemaName, Topology,
@@ -422,6 +423,22 @@ async fn the_consumer_processes_and_acks_over_amqps_and_verify_full() {
         .await
         .expect("depths");
     assert_eq!((depths.work, depths.retry, depths.parking), (0, 0, 0));
+
+    // The doctor reads the topology through the management API over HTTPS and the parking lot
+    // over amqps, with the same files.
+    let mut request = DoctorRequest::for_consumer(&config, amqp_url.clone());
+    request.management_url = Some(tls.management_url.clone());
+    let report = Operations::new(pool.clone(), schema.clone())
+        .doctor(&request)
+        .await;
+    assert_eq!(report.worst, Severity::Pass, "{report:#?}");
+    for id in [ids::WORK_QUEUE, ids::RETRY_TIERS, ids::PARKED_WITHOUT_ROW] {
+        assert_eq!(
+            report.severity(id),
+            Some(Severity::Pass),
+            "{id}: {report:#?}"
+        );
+    }
 
     broker
         .delete(&config.topology, &config.retry)
