@@ -170,7 +170,12 @@ async fn amqps_mutual_tls_needs_a_client_certificate_the_broker_trusts() {
     let Err(e) = connect_broker(&tls.amqp("ca.pem", None)).await else {
         panic!("the broker requires a client certificate");
     };
-    assert!(refused_certificate(&e, "CertificateRequired"), "{e}");
+    // Under TLS 1.3 the client finishes its side of the handshake first, so the broker's
+    // refusal arrives as its alert or, when the socket is closed before that is read, a reset.
+    assert!(
+        refused_certificate(&e, "CertificateRequired") || refused_certificate(&e, "reset"),
+        "{e}"
+    );
     assert!(
         connect_broker(&tls.amqp("ca.pem", Some("other-client")))
             .await
