@@ -411,8 +411,8 @@ pub async fn run(
     let (amqp_url, user) = all_on_vhost(&broker_urls, &args.vhost)?;
     prepare_vhost(&args.vhost, &user, node.as_deref()).await?;
     let servers = &Servers {
-        database_url: servers.database_url.clone(),
         amqp_url,
+        ..servers.clone()
     };
     let drop_connections = args
         .drop_connections_command

@@ -1,7 +1,7 @@
 //! Connecting with errors that say which server, at which address, and how to start it.
 
 use anyhow::anyhow;
-use rabbit_inbox::Broker;
+use rabbit_inbox::{Broker, BrokerError};
 use std::time::Duration;
 
 use sqlx::{
@@ -36,13 +36,19 @@ pub async fn postgres(url: &str, max_connections: u32) -> anyhow::Result<PgPool>
         .acquire_timeout(Duration::from_secs(5))
         .connect_with(options)
         .await
-        .map_err(|e| {
-            anyhow!(
+        .map_err(|e| match e {
+            // The server answered; its certificate, or ours, was refused.
+            sqlx::Error::Tls(_) => anyhow!(
+                "TLS with PostgreSQL at {} failed ({e}).\n  Check sslmode, sslrootcert, sslcert \
+                 and sslkey in DATABASE_URL (or PGSSLMODE, PGSSLROOTCERT, ...).",
+                address(url)
+            ),
+            e => anyhow!(
                 "cannot reach PostgreSQL at {} ({e}).\n  Start it with: \
                  pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start\n  \
                  or point DATABASE_URL at a running server.",
                 address(url)
-            )
+            ),
         })
 }
 
@@ -52,12 +58,33 @@ fn broker_addresses(url: &str) -> String {
         .map_or_else(|_| address(url).to_owned(), |a| a.to_string())
 }
 
+/// A broker error with what to do about it: the TLS files when they are the problem, else how
+/// to start the broker.
+fn broker_unreachable(url: &str, e: BrokerError, hint: &str) -> anyhow::Error {
+    match e {
+        BrokerError::TlsFile { .. } | BrokerError::TlsSettings(_) => {
+            anyhow!(
+                "{e}\n  (set by --amqp-ca-file, --amqp-client-cert, --amqp-client-key or AMQP_URL)"
+            )
+        }
+        BrokerError::TlsHandshake { .. } => anyhow!(
+            "{e}\n  Check --amqp-ca-file (AMQP_CA_FILE) against the CA that signed the broker's \
+             certificate, the host in AMQP_URL against the names the certificate holds, and \
+             --amqp-client-cert/--amqp-client-key if the broker requires a client certificate."
+        ),
+        e => anyhow!(
+            "cannot reach RabbitMQ at {} ({e}).\n  Start it with: rabbitmq-server -detached\n  {hint}",
+            broker_addresses(url)
+        ),
+    }
+}
+
 pub async fn rabbitmq(url: &str) -> anyhow::Result<Broker> {
     Broker::connect(url, "inboxctl").await.map_err(|e| {
-        anyhow!(
-            "cannot reach RabbitMQ at {} ({e}).\n  Start it with: rabbitmq-server -detached\n  \
-             or point AMQP_URL at a running broker (several nodes: comma-separated URLs).",
-            broker_addresses(url)
+        broker_unreachable(
+            url,
+            e,
+            "or point AMQP_URL at a running broker (several nodes: comma-separated URLs).",
         )
     })
 }
@@ -70,13 +97,7 @@ pub async fn parking_lot(
 ) -> anyhow::Result<rabbit_inbox::ParkingLot> {
     rabbit_inbox::ParkingLot::connect(url, work_queue, parking_queue)
         .await
-        .map_err(|e| {
-            anyhow!(
-                "cannot reach RabbitMQ at {} ({e}).\n  Start it with: rabbitmq-server -detached\n  \
-                 or point AMQP_URL at a running broker.",
-                broker_addresses(url)
-            )
-        })
+        .map_err(|e| broker_unreachable(url, e, "or point AMQP_URL at a running broker."))
 }
 
 #[cfg(test)]

@@ -349,12 +349,16 @@ fn init_logging(
         .with_writer(std::io::stderr)
         .with_filter(filter());
     let endpoint = match command {
-        Command::Consume(args) => args.observe.otlp_endpoint.as_deref(),
+        Command::Consume(args) => args
+            .observe
+            .otlp_endpoint
+            .as_deref()
+            .map(|e| (e, &args.observe.otlp_tls)),
         _ => None,
     };
     let (spans, export) = match endpoint {
-        Some(endpoint) => {
-            let (layer, export) = telemetry::SpanExport::start(endpoint)?;
+        Some((endpoint, tls)) => {
+            let (layer, export) = telemetry::SpanExport::start(endpoint, tls)?;
             (Some(layer), Some(export))
         }
         None => (None, None),
@@ -382,7 +386,7 @@ fn error_chain(e: &anyhow::Error) -> String {
 }
 
 async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Result<ExitCode> {
-    let servers = cli.servers;
+    let servers = cli.servers.with_amqp_tls()?;
     match cli.command {
         Command::Migrate { schema } => {
             let schema = SchemaName::new(schema)?;

@@ -1,7 +1,7 @@
 //! `consume`'s observability: the Prometheus exporter over the library's metrics catalog and,
 //! when an OTLP endpoint is given, the export of the delivery spans.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::Context;
 use clap::Args;
@@ -34,6 +34,79 @@ pub(crate) struct ObserveArgs {
     /// (protobuf) to this collector URL (e.g. http://127.0.0.1:4318/v1/traces).
     #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", value_name = "URL")]
     pub(crate) otlp_endpoint: Option<String>,
+    #[command(flatten)]
+    pub(crate) otlp_tls: OtlpTls,
+}
+
+/// TLS of the OTLP export to an `https://` collector (the OpenTelemetry SDK's variables).
+#[derive(Args, Clone, Debug, Default)]
+pub(crate) struct OtlpTls {
+    /// CA certificate file (PEM) trusted for an https:// collector beside the system roots.
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+        value_name = "PEM"
+    )]
+    pub(crate) otlp_ca_file: Option<PathBuf>,
+    /// Client certificate file (PEM) for a collector that requires one; needs
+    /// --otlp-client-key.
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
+        value_name = "PEM",
+        requires = "otlp_client_key"
+    )]
+    pub(crate) otlp_client_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM, unencrypted).
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY",
+        value_name = "PEM",
+        requires = "otlp_client_cert"
+    )]
+    pub(crate) otlp_client_key: Option<PathBuf>,
+}
+
+/// How long one export request may take (the OTLP default).
+const OTLP_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl OtlpTls {
+    /// The exporter's HTTP client: the system roots and the CA file, the client certificate.
+    fn http_client(&self) -> anyhow::Result<reqwest::blocking::Client> {
+        let read = |path: &PathBuf, what: &str| {
+            std::fs::read(path).with_context(|| format!("OTLP {what} {}", path.display()))
+        };
+        let mut builder = reqwest::blocking::Client::builder().timeout(OTLP_TIMEOUT);
+        if let Some(path) = &self.otlp_ca_file {
+            let certs = reqwest::Certificate::from_pem_bundle(&read(path, "CA file")?)
+                .with_context(|| {
+                    format!("OTLP CA file {}: not PEM certificates", path.display())
+                })?;
+            anyhow::ensure!(
+                !certs.is_empty(),
+                "OTLP CA file {}: holds no PEM certificate",
+                path.display()
+            );
+            builder = builder.tls_certs_merge(certs);
+        }
+        if let (Some(cert), Some(key)) = (&self.otlp_client_cert, &self.otlp_client_key) {
+            let pem = [read(cert, "client certificate")?, read(key, "client key")?].join(&b'\n');
+            let identity = reqwest::Identity::from_pem(&pem).with_context(|| {
+                format!(
+                    "OTLP client certificate {} with key {}",
+                    cert.display(),
+                    key.display()
+                )
+            })?;
+            builder = builder.identity(identity);
+        }
+        // The blocking client runs a runtime of its own, which must not be built (or dropped)
+        // on one of the async runtime's threads.
+        std::thread::spawn(move || builder.build())
+            .join()
+            .map_err(|_| anyhow::anyhow!("building the OTLP HTTP client panicked"))?
+            .context("building the OTLP HTTP client")
+    }
 }
 
 impl ObserveArgs {
@@ -100,13 +173,16 @@ impl SpanExport {
     /// The layer that sends the library's delivery spans to `endpoint`, and its guard.
     pub(crate) fn start<S>(
         endpoint: &str,
+        tls: &OtlpTls,
     ) -> anyhow::Result<(impl tracing_subscriber::Layer<S> + use<S>, SpanExport)>
     where
         S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
     {
+        use opentelemetry_otlp::WithHttpConfig as _;
         use tracing_subscriber::Layer as _;
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
+            .with_http_client(tls.http_client()?)
             .with_endpoint(endpoint)
             .build()
             .with_context(|| format!("OTLP exporter for {endpoint}"))?;
@@ -134,5 +210,148 @@ impl Drop for SpanExport {
         if let Err(e) = self.provider.shutdown() {
             eprintln!("flushing spans: {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{path::Path, sync::Arc};
+
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+    use tokio::{
+        io::{AsyncReadExt, AsyncWriteExt},
+        sync::mpsc,
+    };
+    use tracing_subscriber::layer::SubscriberExt as _;
+
+    use super::*;
+
+    /// The certificates of `scripts/tls-endpoints.sh start`, or `None` after saying so.
+    fn certificates() -> Option<PathBuf> {
+        let dir = std::env::var("RABBIT_INBOX_TLS_DIR")
+            .map_or_else(|_| PathBuf::from("/tmp/rabbit-inbox-tls"), PathBuf::from)
+            .join("certs");
+        if dir.join("server.pem").exists() {
+            Some(dir)
+        } else {
+            eprintln!("skipped: no TLS test certificates; run scripts/tls-endpoints.sh start");
+            None
+        }
+    }
+
+    /// An HTTPS collector on 127.0.0.1 with the script's server certificate (for localhost):
+    /// reports each request line, or the failed handshake, and answers 200.
+    async fn collector(certs: &Path) -> (u16, mpsc::UnboundedReceiver<String>) {
+        let chain = CertificateDer::pem_file_iter(certs.join("server.pem"))
+            .expect("server.pem")
+            .collect::<Result<Vec<_>, _>>()
+            .expect("certificates");
+        let key = PrivateKeyDer::from_pem_file(certs.join("server.key")).expect("server.key");
+        let config = rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .expect("server config");
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let (report, requests) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let (acceptor, report) = (acceptor.clone(), report.clone());
+                tokio::spawn(async move {
+                    let mut tls = match acceptor.accept(stream).await {
+                        Ok(tls) => tls,
+                        Err(e) => {
+                            let _ = report.send(format!("handshake failed: {e}"));
+                            return;
+                        }
+                    };
+                    // The request head; the body is not needed.
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match tls.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let line = String::from_utf8_lossy(&head)
+                        .lines()
+                        .next()
+                        .unwrap_or_default()
+                        .to_owned();
+                    let _ = report.send(line);
+                    let _ = tls
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                        )
+                        .await;
+                    let _ = tls.shutdown().await;
+                });
+            }
+        });
+        (port, requests)
+    }
+
+    /// Exports one delivery span to `endpoint` and flushes.
+    async fn export_one_span(endpoint: String, tls: OtlpTls) {
+        tokio::task::spawn_blocking(move || {
+            let (layer, export) =
+                SpanExport::start::<tracing_subscriber::Registry>(&endpoint, &tls)
+                    .expect("exporter");
+            let subscriber = tracing_subscriber::registry().with(layer);
+            tracing::subscriber::with_default(subscriber, || {
+                tracing::info_span!(target: "rabbit_inbox::delivery", "inbox.delivery")
+                    .in_scope(|| {});
+            });
+            drop(export);
+        })
+        .await
+        .expect("export thread");
+    }
+
+    #[tokio::test]
+    async fn spans_go_to_an_https_collector_verified_against_the_ca_file() {
+        let Some(certs) = certificates() else { return };
+        let (port, mut requests) = collector(&certs).await;
+        let endpoint = format!("https://localhost:{port}/v1/traces");
+
+        let trusted = OtlpTls {
+            otlp_ca_file: Some(certs.join("ca.pem")),
+            ..OtlpTls::default()
+        };
+        export_one_span(endpoint.clone(), trusted).await;
+        let request = tokio::time::timeout(Duration::from_secs(10), requests.recv())
+            .await
+            .expect("the collector was reached")
+            .expect("a request");
+        assert_eq!(request, "POST /v1/traces HTTP/1.1");
+
+        // A CA that did not sign the collector's certificate: the client ends the handshake.
+        let untrusted = OtlpTls {
+            otlp_ca_file: Some(certs.join("other-ca.pem")),
+            ..OtlpTls::default()
+        };
+        export_one_span(endpoint, untrusted).await;
+        let refused = tokio::time::timeout(Duration::from_secs(10), requests.recv())
+            .await
+            .expect("the collector saw the attempt")
+            .expect("a report");
+        assert!(refused.starts_with("handshake failed"), "{refused}");
+    }
+
+    #[test]
+    fn a_bad_ca_file_is_named() {
+        let tls = OtlpTls {
+            otlp_ca_file: Some("/nonexistent/collector-ca.pem".into()),
+            ..OtlpTls::default()
+        };
+        let e = tls.http_client().expect_err("missing file");
+        assert!(
+            format!("{e:#}").contains("OTLP CA file /nonexistent/collector-ca.pem"),
+            "{e:#}"
+        );
     }
 }

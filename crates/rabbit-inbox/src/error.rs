@@ -48,6 +48,29 @@ pub enum BrokerError {
     /// A broker address (an entry of the AMQP URL list) is not a valid AMQP URL.
     #[error("invalid AMQP address {0}")]
     InvalidAddress(String),
+    /// A TLS file (CA, client certificate or key) cannot be used.
+    #[error("TLS {what} {}: {reason}", path.display())]
+    TlsFile {
+        /// `CA file`, `client certificate` or `client key`.
+        what: &'static str,
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why it cannot be used.
+        reason: String,
+    },
+    /// The TLS handshake with a broker address failed: its certificate was refused (unknown
+    /// CA, another host name, expired) or it refused ours.
+    #[error("TLS with RabbitMQ at {node} failed: {reason}")]
+    TlsHandshake {
+        /// `host:port`.
+        node: String,
+        /// What rustls reported.
+        reason: String,
+    },
+    /// The TLS settings do not fit together (a certificate without its key, files for a plain
+    /// `amqp://` URL).
+    #[error("TLS settings: {0}")]
+    TlsSettings(String),
     /// A broker address did not accept a connection in time (a paused or partitioned node).
     #[error("RabbitMQ at {0} did not accept a connection in time")]
     ConnectTimeout(String),

@@ -59,9 +59,9 @@ mod store;
 pub mod telemetry;
 
 pub use broker::{
-    AmqpAddresses, Broker, DEFAULT_MANAGEMENT_PORT, ManagementClient, ManagementError,
-    OutgoingMessage, ParkedMessage, ParkingLot, QueueDepth, QueueDepths, QueueInfo, QueueSetting,
-    Republished, parking_headers,
+    AmqpAddresses, AmqpTls, Broker, DEFAULT_MANAGEMENT_PORT, DEFAULT_MANAGEMENT_TLS_PORT,
+    ManagementClient, ManagementError, OutgoingMessage, ParkedMessage, ParkingLot, QueueDepth,
+    QueueDepths, QueueInfo, QueueSetting, Republished, parking_headers,
 };
 pub use broker::{HEADER_TOO_DEEP, MAX_HEADER_DEPTH};
 #[doc(hidden)]

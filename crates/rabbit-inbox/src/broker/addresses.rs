@@ -2,12 +2,14 @@
 //!
 //! Every connection the library opens goes through [`connect`], so the consumer, its
 //! publisher, the outbox relay and the operator tools all take a comma-separated list where
-//! they take an AMQP URL (`AMQP_URL=amqp://a:5672,amqp://b:5672`).
+//! they take an AMQP URL (`AMQP_URL=amqp://a:5672,amqp://b:5672`). An `amqps://` entry connects
+//! over TLS with the files its query names (see [`super::tls`]).
 
 use std::{fmt, str::FromStr, time::Duration};
 
-use lapin::{Connection, ConnectionProperties, uri::AMQPUri};
+use lapin::{Connection, ConnectionProperties, uri::AMQPScheme, uri::AMQPUri};
 
+use super::tls::{AmqpTls, TlsFiles};
 use crate::error::BrokerError;
 
 /// How long one address may take to accept a connection before the next is tried. A node that
@@ -16,7 +18,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One or more AMQP URLs of the same broker (the nodes of a cluster), in the order they are
 /// tried. Parsed from a comma-separated list; each entry must be a valid `amqp://` or
-/// `amqps://` URL.
+/// `amqps://` URL. An `amqps://` entry may name TLS files in its query (`cacertfile`,
+/// `certfile`, `keyfile`; see [`AmqpTls`]), which are read and checked here.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AmqpAddresses {
     nodes: Vec<Node>,
@@ -27,6 +30,8 @@ struct Node {
     uri: AMQPUri,
     /// `host:port`, shown in the connection name and in logs (never the credentials).
     label: String,
+    /// The TLS files of an `amqps://` entry, read.
+    tls: Option<TlsFiles>,
 }
 
 impl AmqpAddresses {
@@ -39,7 +44,19 @@ impl AmqpAddresses {
                 BrokerError::InvalidAddress(format!("{}: {reason}", redacted(entry)))
             })?;
             let label = format!("{}:{}", uri.authority.host, uri.authority.port);
-            nodes.push(Node { uri, label });
+            let files = reqwest::Url::parse(entry)
+                .map(|url| AmqpTls::from_url(&url))
+                .unwrap_or_default();
+            let tls = match uri.scheme {
+                AMQPScheme::AMQPS => Some(files.load()?),
+                AMQPScheme::AMQP if files.is_empty() => None,
+                AMQPScheme::AMQP => {
+                    return Err(BrokerError::TlsSettings(format!(
+                        "{label}: TLS files are given for a plain amqp:// URL; use amqps://"
+                    )));
+                }
+            };
+            nodes.push(Node { uri, label, tls });
         }
         if nodes.is_empty() {
             return Err(BrokerError::InvalidAddress(
@@ -48,6 +65,12 @@ impl AmqpAddresses {
             ));
         }
         Ok(Self { nodes })
+    }
+
+    /// The TLS files of the first `amqps://` address, for another client of the same broker
+    /// (the management API).
+    pub(crate) fn tls(&self) -> Option<&TlsFiles> {
+        self.nodes.iter().find_map(|n| n.tls.as_ref())
     }
 
     /// The addresses' `host:port`, in the order they are tried.
@@ -63,7 +86,17 @@ impl AmqpAddresses {
         for (i, node) in self.nodes.iter().enumerate() {
             let props = ConnectionProperties::default()
                 .with_connection_name(format!("{name} @ {}", node.label).into());
-            let attempt = Connection::connect_uri(node.uri.clone(), props);
+            let tls = node
+                .tls
+                .as_ref()
+                .map(TlsFiles::lapin_config)
+                .unwrap_or_default();
+            let attempt = Connection::connect_uri_with_config(
+                node.uri.clone(),
+                props,
+                tls,
+                lapin::runtime::default_runtime()?,
+            );
             let error = match tokio::time::timeout(CONNECT_TIMEOUT, attempt).await {
                 Ok(Ok(connection)) => {
                     if i > 0 {
@@ -71,7 +104,7 @@ impl AmqpAddresses {
                     }
                     return Ok(connection);
                 }
-                Ok(Err(e)) => BrokerError::from(e),
+                Ok(Err(e)) => tls_refusal(&e, &node.label).unwrap_or_else(|| e.into()),
                 Err(_) => BrokerError::ConnectTimeout(node.label.clone()),
             };
             if self.nodes.len() > 1 {
@@ -99,8 +132,20 @@ impl fmt::Display for AmqpAddresses {
     }
 }
 
+/// The TLS handshake's failure, if that is what `e` is: a certificate refused by either side.
+fn tls_refusal(e: &lapin::Error, node: &str) -> Option<BrokerError> {
+    let lapin::ErrorKind::IOError(io) = e.kind() else {
+        return None;
+    };
+    let tls = io.get_ref()?.downcast_ref::<rustls::Error>()?;
+    Some(BrokerError::TlsHandshake {
+        node: node.to_owned(),
+        reason: tls.to_string(),
+    })
+}
+
 /// `url` with any password replaced, for error messages.
-fn redacted(url: &str) -> String {
+pub(super) fn redacted(url: &str) -> String {
     let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
         return url.to_owned();
     };

@@ -8,18 +8,27 @@ use std::time::Duration;
 use reqwest::{StatusCode, Url};
 use serde_json::{Map, Value};
 
+use super::AmqpAddresses;
+use crate::error::BrokerError;
+
 /// How long one management API request may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The management API's port when it is derived from the AMQP URL.
+/// The management API's port when it is derived from an `amqp://` URL.
 pub const DEFAULT_MANAGEMENT_PORT: u16 = 15672;
+
+/// The management API's port (HTTPS) when it is derived from an `amqps://` URL.
+pub const DEFAULT_MANAGEMENT_TLS_PORT: u16 = 15671;
 
 /// Why the management API could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ManagementError {
-    /// The URL cannot be used (not http, no host).
+    /// The URL cannot be used (not http or https, no host).
     #[error("invalid management URL: {0}")]
     InvalidUrl(String),
+    /// The TLS files of the AMQP URL cannot be used.
+    #[error("management API over HTTPS: {0}")]
+    Tls(#[source] crate::error::BrokerError),
     /// Nothing answered (plugin not enabled, port closed, timeout).
     #[error("management API unreachable at {url}: {source}")]
     Unreachable {
@@ -146,9 +155,11 @@ fn percent_decoded(text: &str) -> String {
 impl ManagementClient {
     /// A client for the virtual host of `amqp_url` (one AMQP URL, or a comma-separated list
     /// of a cluster's nodes). The API is at `management_url` when given
-    /// (`http://user:password@host:15672`, or several separated by commas), else on port 15672
-    /// of each AMQP URL's host; credentials come from the management URL, else from the (first)
-    /// AMQP URL, else `guest`.
+    /// (`http://user:password@host:15672`, `https://…`, or several separated by commas), else on
+    /// each AMQP URL's host: `http://host:15672` for `amqp://`, `https://host:15671` for
+    /// `amqps://`. Credentials come from the management URL, else from the (first) AMQP URL,
+    /// else `guest`. HTTPS trusts the system roots and the CA file of the AMQP URL
+    /// (`cacertfile`), and presents its client certificate if it names one.
     pub fn new(amqp_url: &str, management_url: Option<&str>) -> Result<Self, ManagementError> {
         let entries = |list: &str| -> Vec<String> {
             list.split(',')
@@ -177,8 +188,11 @@ impl ManagementClient {
                     let host = a.host_str().ok_or_else(|| {
                         ManagementError::InvalidUrl("the AMQP URL names no host".into())
                     })?;
-                    Url::parse(&format!("http://{host}:{DEFAULT_MANAGEMENT_PORT}/"))
-                        .map_err(|e| ManagementError::InvalidUrl(e.to_string()))
+                    let base = match a.scheme() {
+                        "amqps" => format!("https://{host}:{DEFAULT_MANAGEMENT_TLS_PORT}/"),
+                        _ => format!("http://{host}:{DEFAULT_MANAGEMENT_PORT}/"),
+                    };
+                    Url::parse(&base).map_err(|e| ManagementError::InvalidUrl(e.to_string()))
                 })
                 .collect::<Result<_, _>>()?,
         };
@@ -186,9 +200,12 @@ impl ManagementClient {
         let first_base = bases
             .first()
             .ok_or_else(|| ManagementError::InvalidUrl("no management URL given".into()))?;
-        if let Some(other) = bases.iter().find(|b| b.scheme() != "http") {
+        if let Some(other) = bases
+            .iter()
+            .find(|b| !matches!(b.scheme(), "http" | "https"))
+        {
             return Err(ManagementError::InvalidUrl(format!(
-                "{}: only http is supported (put a local proxy in front of https)",
+                "{}: only http and https are supported",
                 other.scheme()
             )));
         }
@@ -213,8 +230,15 @@ impl ManagementClient {
             let _ = base.set_username("");
             let _ = base.set_password(None);
         }
-        let http = reqwest::Client::builder()
-            .timeout(REQUEST_TIMEOUT)
+        let addresses = AmqpAddresses::parse(amqp_url).map_err(|e| match e {
+            BrokerError::InvalidAddress(reason) => ManagementError::InvalidUrl(reason),
+            other => ManagementError::Tls(other),
+        })?;
+        let mut builder = reqwest::Client::builder().timeout(REQUEST_TIMEOUT);
+        if let Some(tls) = addresses.tls() {
+            builder = tls.configure_http(builder).map_err(ManagementError::Tls)?;
+        }
+        let http = builder
             .build()
             .map_err(|e| ManagementError::InvalidUrl(e.to_string()))?;
         Ok(Self {
@@ -350,7 +374,19 @@ mod tests {
         .expect("valid");
         assert_eq!(c.url(), "http://mgmt:8080/rabbit/");
         assert_eq!((c.user.as_str(), c.vhost()), ("admin", "billing"));
-        assert!(ManagementClient::new("amqp://h/", Some("https://h:15671")).is_err());
+        assert!(ManagementClient::new("amqp://h/", Some("ftp://h:15671")).is_err());
+    }
+
+    #[test]
+    fn an_amqps_url_gives_the_https_api() {
+        let c = ManagementClient::new("amqps://app:pw@rabbit.local:5671/%2f", None).expect("valid");
+        assert_eq!(c.url(), "https://rabbit.local:15671/");
+        let c = ManagementClient::new("amqp://h/", Some("https://h:15671")).expect("valid");
+        assert_eq!(c.url(), "https://h:15671/");
+        let err = ManagementClient::new("amqps://h/?cacertfile=/nonexistent/ca.pem", None)
+            .expect_err("unreadable CA file");
+        assert!(matches!(err, ManagementError::Tls(_)), "{err}");
+        assert!(err.to_string().contains("/nonexistent/ca.pem"), "{err}");
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //!
 //! - [`addresses`]: [`AmqpAddresses`], the nodes of a cluster, tried in order on every
 //!   (re)connect.
+//! - [`tls`]: [`AmqpTls`], the CA file and client certificate of `amqps://` connections and of
+//!   the management API over HTTPS, carried in the AMQP URL's query.
 //! - [`topology`]: declaring the work queue, the retry tiers and the parking queue.
 //! - [`publish`]: confirmed publishing: the consumer runtime's own publishing connection,
 //!   [`Broker`] (the tool-side connection).
@@ -28,13 +30,15 @@ mod parking;
 mod publish;
 mod session;
 mod settle;
+mod tls;
 mod topology;
 
 pub use addresses::AmqpAddresses;
 pub(crate) use confirmed::{ConfirmedLink, Publication, PublishResult};
 pub use headers::{HEADER_TOO_DEEP, MAX_HEADER_DEPTH, convert_headers, headers_to_json};
 pub use management::{
-    DEFAULT_MANAGEMENT_PORT, ManagementClient, ManagementError, QueueInfo, QueueSetting,
+    DEFAULT_MANAGEMENT_PORT, DEFAULT_MANAGEMENT_TLS_PORT, ManagementClient, ManagementError,
+    QueueInfo, QueueSetting,
 };
 pub use parking::{ParkedMessage, ParkingLot, QueueDepth, Republished};
 pub(crate) use publish::check_publishable;
@@ -44,6 +48,7 @@ pub(crate) use session::{ConnectionHandle, drop_connection};
 pub(crate) use session::{PendingDelivery, Session, is_fatal};
 pub(crate) use settle::Settler;
 pub use settle::parking_headers;
+pub use tls::AmqpTls;
 
 use lapin::Connection;
 

@@ -92,7 +92,12 @@ pub(crate) fn is_fatal(e: &BrokerError) -> bool {
         // A node that did not answer: the next attempt tries every address again.
         BrokerError::ConnectTimeout(_) => false,
         // Checked when the consumer is built; retrying cannot fix it.
-        BrokerError::InvalidAddress(_) => true,
+        BrokerError::InvalidAddress(_) | BrokerError::TlsSettings(_) => true,
+        // Readable when the consumer was built: a certificate being renewed may be back by
+        // the next attempt.
+        BrokerError::TlsFile { .. } => false,
+        // Either side may be renewing its certificate; the next attempt may pass.
+        BrokerError::TlsHandshake { .. } => false,
     }
 }
 

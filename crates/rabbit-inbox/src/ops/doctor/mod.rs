@@ -243,7 +243,8 @@ pub struct DoctorRequest {
     /// reconciliation checks are skipped (a warn row).
     pub amqp_url: Option<String>,
     /// The management HTTP API (`http://user:password@host:15672`, several separated by
-    /// commas); `None`: port 15672 of each AMQP URL's host, with the first URL's credentials.
+    /// commas, or `https://`); `None`: each AMQP URL's host, `http://host:15672` (`https://host:15671`
+    /// for `amqps://`), with the first URL's credentials.
     /// The first address that answers is read.
     pub management_url: Option<String>,
     /// The consumer's queues. `None`: broker and reconciliation checks are skipped.
