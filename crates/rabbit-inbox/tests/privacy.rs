@@ -485,3 +485,187 @@ async fn operator_and_admin_roles_can_do_what_they_are_for_and_no_more() {
         "the audit row survived"
     );
 }
+
+/// Calls the audit function `writer` with `action` on `pool`, as actor alice.
+fn audit_call(writer: &str, action: &str) -> String {
+    format!(
+        "SELECT {{s}}.{writer}('{action}', 'alice', 'svc', 'm-1', 'because', NULL, '{{}}'::jsonb)"
+    )
+}
+
+#[tokio::test]
+async fn the_audit_trail_records_the_writing_role_and_server_time_and_refuses_forgeries() {
+    const DENIED: &str = "42501"; // insufficient_privilege
+    let env = TestEnv::new().await;
+    let (consumer_role, consumer) = pool_of(&env, RoleKind::Consumer, &[], 2).await;
+    let (retention_role, retention) = pool_of(&env, RoleKind::Retention, &[], 2).await;
+    let (operator_role, operator) = pool_of(&env, RoleKind::Operator, &[], 2).await;
+    let (admin_role, admin) = pool_of(&env, RoleKind::Admin, &[], 2).await;
+    // A grant an older version of the grants gave (or an application adds by hand).
+    let legacy_grant = format!(
+        "GRANT INSERT ON \"{}\".inbox_audit TO \"{{role}}\"",
+        env.schema
+    );
+    let (legacy_role, legacy) = pool_of(&env, RoleKind::Consumer, &[&legacy_grant], 1).await;
+    let forged = "INSERT INTO {s}.inbox_audit (actor, action, consumer_name, message_id, reason, \
+                  occurred_at) VALUES ('alice', 'reopen', 'svc', 'm-1', 'y', '2020-01-01')";
+    for (name, pool) in [
+        ("consumer", &consumer),
+        ("retention", &retention),
+        ("operator", &operator),
+        ("admin", &admin),
+        ("legacy", &legacy),
+    ] {
+        assert_eq!(
+            attempt(&env, pool, forged).await,
+            Err(DENIED.into()),
+            "{name} inserted directly"
+        );
+    }
+
+    // Each role records its own actions and no others: a writer it may not call, or an action
+    // outside the writer's family, is refused.
+    let allowed = [
+        (&consumer, "inbox_audit_recovery", "recover_republish"),
+        (&retention, "inbox_audit_retention", "cleanup"),
+        (&operator, "inbox_audit_read", "payload_read"),
+        (&admin, "inbox_audit_operation", "reopen"),
+        (&admin, "inbox_audit_read", "payload_read"),
+    ];
+    for (pool, writer, action) in allowed {
+        assert_eq!(
+            attempt(&env, pool, &audit_call(writer, action)).await,
+            Ok(()),
+            "{writer}({action})"
+        );
+    }
+    for (pool, writer, action) in [
+        (&consumer, "inbox_audit_operation", "reopen"),
+        (&consumer, "inbox_audit_recovery", "reopen"),
+        (&consumer, "inbox_audit_recovery", "cleanup"),
+        (&retention, "inbox_audit_operation", "forced_replay"),
+        (&retention, "inbox_audit_retention", "redrive"),
+        (&operator, "inbox_audit_operation", "reopen"),
+        (&operator, "inbox_audit_read", "reopen"),
+        (&admin, "inbox_audit_read", "cleanup"),
+        (&admin, "inbox_audit_write", "reopen"),
+    ] {
+        let call = if writer == "inbox_audit_write" {
+            "SELECT {s}.inbox_audit_write(ARRAY['reopen'], 'reopen', 'alice', 'svc', 'm-1', \
+             'y', NULL, '{}'::jsonb)"
+                .to_owned()
+        } else {
+            audit_call(writer, action)
+        };
+        assert_eq!(
+            attempt(&env, pool, &call).await,
+            Err(DENIED.into()),
+            "{writer}({action}) was allowed"
+        );
+    }
+
+    // Every row names the role that wrote it and carries the server's time, whatever the
+    // writer passed: even the owner's direct insert cannot backdate a row.
+    sqlx::raw_sql(AssertSqlSafe(
+        forged.replace("{s}", &format!("\"{}\"", env.schema)),
+    ))
+    .execute(&env.pool)
+    .await
+    .expect("the owner inserts");
+    let rows: Vec<(String, String, bool)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT action, db_role, occurred_at > now() - interval '5 minutes' \
+         FROM \"{}\".inbox_audit ORDER BY audit_id",
+        env.schema
+    )))
+    .fetch_all(&env.pool)
+    .await
+    .expect("audit rows");
+    let owner: String = sqlx::query_scalar("SELECT session_user::text")
+        .fetch_one(&env.pool)
+        .await
+        .expect("owner");
+    let expected: Vec<(String, String, bool)> = [
+        ("recover_republish", &consumer_role.name),
+        ("cleanup", &retention_role.name),
+        ("payload_read", &operator_role.name),
+        ("reopen", &admin_role.name),
+        ("payload_read", &admin_role.name),
+        ("reopen", &owner),
+    ]
+    .into_iter()
+    .map(|(action, role)| (action.to_owned(), role.clone(), true))
+    .collect();
+    assert_eq!(rows, expected);
+
+    // The library's writer goes through the same functions.
+    let actor =
+        rabbit_inbox::ops::Actor::new("token-reader", "looked at a failure").expect("actor");
+    let mut conn = operator.acquire().await.expect("connection");
+    rabbit_inbox::ops::audit(
+        &mut conn,
+        &env.schema,
+        &actor,
+        rabbit_inbox::ops::PAYLOAD_READ,
+        Some("svc"),
+        Some("m-1"),
+        json!({}),
+    )
+    .await
+    .expect("the operator records its read");
+    let refused = rabbit_inbox::ops::audit(
+        &mut conn,
+        &env.schema,
+        &actor,
+        rabbit_inbox::ops::REOPEN,
+        Some("svc"),
+        Some("m-1"),
+        json!({}),
+    )
+    .await
+    .expect_err("the operator records no reopen");
+    assert!(
+        refused.to_string().contains("permission denied"),
+        "{refused}"
+    );
+    drop(conn);
+    drop(legacy_role);
+}
+
+#[tokio::test]
+async fn operator_and_admin_reach_neither_application_tables_nor_the_migrations_ledger() {
+    const DENIED: &str = "42501";
+    let env = TestEnv::new().await;
+    let (_operator, operator) = pool_of(&env, RoleKind::Operator, &[], 1).await;
+    let (_admin, admin) = pool_of(&env, RoleKind::Admin, &[], 1).await;
+    for (name, pool) in [("operator", &operator), ("admin", &admin)] {
+        for sql in [
+            // The application's own table in the same schema.
+            "SELECT count(*) FROM {s}.effects",
+            "INSERT INTO {s}.effects (message_id, consumer_name, message_type, attempt) \
+             VALUES ('x', 'svc', 'T', 1)",
+            // Marking a future migration as applied, or forgetting one.
+            "INSERT INTO {s}._rabbit_inbox_migrations (version, description, success, \
+             checksum, execution_time) VALUES (9999, 'future', true, '\\x00', 0)",
+            "UPDATE {s}._rabbit_inbox_migrations SET success = false",
+            "DELETE FROM {s}._rabbit_inbox_migrations",
+            "SELECT description FROM {s}._rabbit_inbox_migrations",
+        ] {
+            assert_eq!(
+                attempt(&env, pool, sql).await,
+                Err(DENIED.into()),
+                "{name}: {sql}"
+            );
+        }
+        // The doctor's comparison of the applied migrations with the library's still runs.
+        assert_eq!(
+            attempt(
+                &env,
+                pool,
+                "SELECT version, success, checksum FROM {s}._rabbit_inbox_migrations"
+            )
+            .await,
+            Ok(()),
+            "{name}"
+        );
+    }
+}

@@ -565,20 +565,15 @@ impl Operations {
             InboxStatus::RetryableFailed => "recover_republish",
             _ => "recover_manual_review",
         };
-        sqlx::query(audited(format!(
-            "INSERT INTO {} (actor, action, consumer_name, message_id, reason, ticket, details) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
-            self.schema.qualify("inbox_audit")
-        )))
-        .persistent(false)
-        .bind(actor.name())
-        .bind(action)
-        .bind(consumer)
-        .bind(message_id)
-        .bind(actor.reason())
-        .bind(actor.ticket())
-        .bind(details)
-        .execute(tx)
+        super::audit(
+            tx,
+            &self.schema,
+            actor,
+            action,
+            Some(consumer),
+            Some(message_id),
+            details,
+        )
         .await?;
         Ok(())
     }

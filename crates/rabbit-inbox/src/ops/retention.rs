@@ -126,7 +126,6 @@ struct Sql {
     summarize: SqlStr,
     read_mark: SqlStr,
     write_mark: SqlStr,
-    audit: SqlStr,
 }
 
 fn sql(text: String) -> SqlStr {
@@ -233,11 +232,6 @@ impl Sql {
                  ON CONFLICT (consumer_name, pass) DO UPDATE SET done_until = EXCLUDED.done_until, \
                    updated_at = now()"
             )),
-            audit: sql(format!(
-                "INSERT INTO {} (actor, action, consumer_name, reason, ticket, details) \
-                 VALUES ($1, $2, $3, $4, $5, $6)",
-                schema.qualify("inbox_audit")
-            )),
         }
     }
 }
@@ -316,6 +310,7 @@ impl Operations {
         let sql = Sql::new(&self.schema);
         let mut run = Run {
             conn: &mut conn,
+            schema: &self.schema,
             sql: &sql,
             request,
             progress,
@@ -365,6 +360,7 @@ impl Operations {
 /// One cleanup run on the lock's connection.
 struct Run<'a> {
     conn: &'a mut PgConnection,
+    schema: &'a SchemaName,
     sql: &'a Sql,
     request: &'a CleanupRequest,
     progress: &'a dyn Progress,
@@ -663,15 +659,20 @@ impl Run<'_> {
         ticket: Option<&str>,
         details: serde_json::Value,
     ) -> Result<(), OpsError> {
-        sqlx::query(self.sql.audit.clone())
-            .bind(actor)
-            .bind(action)
-            .bind(&self.request.consumer)
-            .bind(reason)
-            .bind(ticket)
-            .bind(details)
-            .execute(&mut *self.conn)
-            .await?;
+        let mut actor = Actor::new(actor, reason)?;
+        if let Some(ticket) = ticket {
+            actor = actor.with_ticket(ticket);
+        }
+        super::audit(
+            self.conn,
+            self.schema,
+            &actor,
+            action,
+            Some(&self.request.consumer),
+            None,
+            details,
+        )
+        .await?;
         Ok(())
     }
 }
