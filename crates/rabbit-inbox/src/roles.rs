@@ -30,6 +30,38 @@ pub enum RoleKind {
     Admin,
 }
 
+impl RoleKind {
+    /// Every kind, in the order the documentation lists them.
+    pub const ALL: [RoleKind; 4] = [
+        RoleKind::Consumer,
+        RoleKind::Retention,
+        RoleKind::Operator,
+        RoleKind::Admin,
+    ];
+
+    /// The kind's name on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoleKind::Consumer => "consumer",
+            RoleKind::Retention => "retention",
+            RoleKind::Operator => "operator",
+            RoleKind::Admin => "admin",
+        }
+    }
+}
+
+impl std::str::FromStr for RoleKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        RoleKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| {
+                format!("unknown role kind {s:?}: consumer, retention, operator or admin")
+            })
+    }
+}
+
 /// The audit functions of migration `0010`, one per family of actions (`SECURITY DEFINER`,
 /// owned by the schema's owner; a role may call those its kind has EXECUTE on).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
