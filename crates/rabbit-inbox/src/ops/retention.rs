@@ -142,7 +142,16 @@ const PROCESSED_SLICE: &str = "consumer_name = $1 AND status = 'PROCESSED' \
 const PARKED_EXPIRED: &str = "consumer_name = $1 AND status IN ('PERMANENT_FAILED', 'POISONED') \
      AND first_received_at < $2 AND coalesce(last_failed_at, first_received_at) < $2";
 
-const UNSCRUBBED: &str = "(payload IS NOT NULL OR headers <> '{}'::jsonb)";
+/// A row that still holds something of its message: a body, headers, or an error message that
+/// is not only its safe detail (in clear or sealed).
+const UNSCRUBBED: &str = "(payload IS NOT NULL OR headers <> '{}'::jsonb \
+     OR last_error_sealed IS NOT NULL OR last_error_message IS DISTINCT FROM \
+       CASE WHEN last_error_message IS NULL THEN NULL \
+       ELSE coalesce(last_error_safe, '[redacted]') END)";
+
+/// What scrubbing leaves of the error message: the safe detail, else a marker.
+const SCRUBBED_ERROR: &str = "CASE WHEN last_error_message IS NULL THEN NULL \
+     ELSE coalesce(last_error_safe, '[redacted]') END";
 
 impl Sql {
     fn new(schema: &SchemaName) -> Self {
@@ -175,7 +184,9 @@ impl Sql {
         };
         Sql {
             scrub: sql(format!(
-                "UPDATE {t} SET payload = NULL, payload_key_id = NULL, headers = '{{}}'::jsonb \
+                "UPDATE {t} SET payload = NULL, payload_key_id = NULL, headers = '{{}}'::jsonb, \
+                   last_error_message = {SCRUBBED_ERROR}, last_error_sealed = NULL, \
+                   last_error_key_id = NULL \
                  WHERE ctid = ANY(ARRAY(SELECT ctid FROM {t} \
                    WHERE {PROCESSED_SLICE} AND {UNSCRUBBED} LIMIT $6 FOR UPDATE SKIP LOCKED))"
             )),

@@ -131,3 +131,13 @@ BEGIN
     END LOOP;
 END;
 $$;
+
+-- Error messages follow the payload's privacy policy. `last_error_message` holds only what
+-- anyone who can read the inbox may see: the handler's message where the policy stores bodies
+-- of its type in clear, otherwise its safe detail (`last_error_safe`) or a marker. With
+-- encryption on, the message is sealed under the tenant's key (`last_error_sealed`, key id in
+-- `last_error_key_id`), so shredding the tenant shreds its error texts too. Nullable columns
+-- without a default: adding them rewrites nothing.
+ALTER TABLE message_inbox ADD COLUMN last_error_safe TEXT;
+ALTER TABLE message_inbox ADD COLUMN last_error_sealed BYTEA;
+ALTER TABLE message_inbox ADD COLUMN last_error_key_id TEXT;
