@@ -8,8 +8,8 @@ use sqlx::{PgConnection, PgPool, Row, SqlStr};
 
 use crate::{
     error::StoreError,
-    schema::SchemaName,
     privacy::StoredError,
+    schema::SchemaName,
     store::{InboxStatus, audited, storable},
 };
 
