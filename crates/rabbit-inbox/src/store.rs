@@ -94,7 +94,8 @@ impl FromStr for InboxStatus {
 pub struct RowPayload {
     /// The stored body, if kept (redacted as configured; sealed when encryption is on).
     pub stored: Option<StoredPayload>,
-    /// The message's headers.
+    /// The message's headers as stored (redacted as configured; sealed when encryption is on,
+    /// see [`crate::privacy::open_headers`]).
     pub headers: serde_json::Value,
     /// The dedup hash of the original body.
     pub payload_sha256: Vec<u8>,

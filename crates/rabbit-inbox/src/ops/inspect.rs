@@ -830,7 +830,7 @@ impl Operations {
         .collect::<Result<Vec<_>, _>>()?;
         let audit = sqlx::query(sql(format!(
             "SELECT audit_id, occurred_at, actor, action, consumer_name, message_id, reason, \
-               ticket, details FROM {} \
+               ticket, details, db_role FROM {} \
              WHERE message_id = $1 AND ($2::text IS NULL OR consumer_name = $2) \
              ORDER BY audit_id",
             self.schema.qualify("inbox_audit")
