@@ -116,6 +116,7 @@ pub(crate) async fn textbook(
                     status: InboxStatus::PermanentFailed,
                     code: "bench_failure",
                     message: "marked to fail",
+                    safe_detail: None,
                     max_attempts: 1,
                     store_payload: false,
                 };

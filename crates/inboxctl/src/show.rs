@@ -87,7 +87,17 @@ fn render(r: &ShowReport) -> comfy_table::Table {
             ("first failed", when::cell(row.first_failed_at)),
             ("last failed", when::cell(row.last_failed_at)),
             ("error code", opt(&row.last_error_code)),
-            ("error", opt(&row.last_error_message)),
+            (
+                "error",
+                match &row.last_error_sealed {
+                    // The message is sealed and this run could not open it.
+                    Some(why) => format!(
+                        "{} (sealed message not shown: {why})",
+                        opt(&row.last_error_message)
+                    ),
+                    None => opt(&row.last_error_message),
+                },
+            ),
             ("payload sha256", row.payload_sha256.clone()),
             ("payload conflicts", row.payload_conflicts.to_string()),
             (
@@ -148,10 +158,11 @@ fn render(r: &ShowReport) -> comfy_table::Table {
         t.add_row(vec![
             format!("audit #{}", a.audit_id),
             format!(
-                "{} {} by {} ({}{}): {} {}",
+                "{} {} by {} [db role {}] ({}{}): {} {}",
                 when::cell(Some(a.occurred_at)),
                 a.action,
                 a.actor,
+                a.db_role.as_deref().unwrap_or("-"),
                 a.reason,
                 a.ticket
                     .as_deref()

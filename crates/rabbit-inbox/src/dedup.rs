@@ -69,7 +69,8 @@ impl DedupStrategy {
                         Some(Value::String(id)) => id.clone(),
                         Some(other) => {
                             return Err(KeyError::Malformed(format!(
-                                "CloudEvents id must be a string, got {other}"
+                                "CloudEvents id must be a string, got {}",
+                                crate::json_error::kind_of(other)
                             )));
                         }
                         None => {
@@ -115,7 +116,8 @@ fn header_key(headers: &Map<String, Value>, name: &str) -> Result<Option<String>
         Some(Value::String(s)) => Ok(Some(s.clone())),
         Some(Value::Number(n)) if n.is_i64() || n.is_u64() => Ok(Some(n.to_string())),
         Some(other) => Err(KeyError::Malformed(format!(
-            "header {name:?} must be a string or an integer, got {other}"
+            "header {name:?} must be a string or an integer, got {}",
+            crate::json_error::kind_of(other)
         ))),
     }
 }

@@ -401,7 +401,11 @@ fn classify(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<Inv
         }
         None => {
             let detail = match serde_json::from_slice::<Value>(&envelope.body) {
-                Err(e) => format!("body is not valid JSON: {e}"),
+                // Never the body's text: a syntax error's position only.
+                Err(e) => format!(
+                    "body is not valid JSON: {}",
+                    crate::json_error::describe(&e)
+                ),
                 Ok(_) => "body is not valid JSON".into(),
             };
             Err(keep_key(envelope, InvalidReason::InvalidJson, detail))
@@ -645,11 +649,16 @@ fn version(headers: &Map<String, Value>) -> Result<i32, String> {
             .as_i64()
             .and_then(|v| i32::try_from(v).ok())
             .ok_or_else(|| format!("{VERSION_HEADER} {n} is not a 32-bit integer")),
-        Some(Value::String(s)) => s
-            .trim()
-            .parse()
-            .map_err(|_| format!("{VERSION_HEADER} {s:?} is not an integer")),
-        Some(other) => Err(format!("{VERSION_HEADER} must be an integer, got {other}")),
+        Some(Value::String(s)) => s.trim().parse().map_err(|_| {
+            format!(
+                "{VERSION_HEADER} is not an integer (a string of {} characters)",
+                s.chars().count()
+            )
+        }),
+        Some(other) => Err(format!(
+            "{VERSION_HEADER} must be an integer, got {}",
+            crate::json_error::kind_of(other)
+        )),
     }
 }
 
@@ -681,6 +690,58 @@ mod tests {
             body: body.to_vec(),
             ..AmqpMessage::default()
         }
+    }
+
+    #[test]
+    fn refusal_details_do_not_quote_producer_data() {
+        let secret = "4111111111111111";
+        let cases = [
+            (
+                msg(
+                    Some("m-1"),
+                    json!({}),
+                    format!("{{\"card\": \"{secret}").as_bytes(),
+                ),
+                InvalidReason::InvalidJson,
+            ),
+            (
+                msg(
+                    Some("m-1"),
+                    json!({}),
+                    format!("{{\"card\": {secret}x}}").as_bytes(),
+                ),
+                InvalidReason::InvalidJson,
+            ),
+            (
+                msg(
+                    Some("m-1"),
+                    json!({ VERSION_HEADER: secret.to_owned() + "x" }),
+                    b"{}",
+                ),
+                InvalidReason::MalformedVersion,
+            ),
+            (
+                msg(
+                    Some("m-1"),
+                    json!({ VERSION_HEADER: { "card": secret } }),
+                    b"{}",
+                ),
+                InvalidReason::MalformedVersion,
+            ),
+        ];
+        for (m, reason) in cases {
+            let invalid = parse(m, &EnvelopeRules::default()).expect_err("invalid");
+            assert_eq!(invalid.reason, reason, "{}", invalid.detail);
+            assert!(!invalid.detail.contains("4111"), "{}", invalid.detail);
+        }
+        let rules = EnvelopeRules {
+            dedup: DedupStrategy::Header("x-key".into()),
+            ..EnvelopeRules::default()
+        };
+        let m = msg(None, json!({ "x-key": { "card": secret } }), b"{}");
+        let invalid = parse(m, &rules).expect_err("invalid");
+        assert_eq!(invalid.reason, InvalidReason::MalformedMessageId);
+        assert!(!invalid.detail.contains("4111"), "{}", invalid.detail);
     }
 
     #[test]

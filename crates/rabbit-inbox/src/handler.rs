@@ -85,14 +85,15 @@ impl<'a> InboxMessage<'a> {
         }
     }
 
-    /// Deserializes the JSON payload. A mismatch is a permanent error: retrying will not change
-    /// the body.
+    /// Deserializes the JSON payload. A mismatch is a permanent error (`payload_mismatch`):
+    /// retrying will not change the body. Its message names the field path, the kind of value
+    /// found and what the type expected, never the value itself (nor an unknown variant or
+    /// field name, nor a map key that does not look like a field name), so it is stored as
+    /// safe detail whatever the privacy policy.
     pub fn decode<T: DeserializeOwned>(&self) -> Result<T, HandlerError> {
-        T::deserialize(&self.envelope.payload).map_err(|e| {
-            HandlerError::permanent(
-                "payload_mismatch",
-                format!("payload does not match {}: {e}", std::any::type_name::<T>()),
-            )
+        crate::json_error::decode(&self.envelope.payload).map_err(|e| {
+            let text = format!("payload does not match {}: {e}", std::any::type_name::<T>());
+            HandlerError::permanent("payload_mismatch", text.clone()).with_safe_detail(text)
         })
     }
 }
@@ -108,12 +109,20 @@ pub enum ErrorKind {
 }
 
 /// A handler's failure: its kind, a stable code and a message for operators.
+///
+/// The message may quote the payload, so it is stored as the payload is (see the README's
+/// "Payload privacy"): in clear only where the body may be, sealed under the tenant's key when
+/// encryption is on, withheld for a type with redaction rules or never-stored bodies, scrubbed
+/// by retention. [`HandlerError::with_safe_detail`] adds text that is stored as it is whatever
+/// the policy says, for what an operator must see without a key.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{code}: {message}")]
 pub struct HandlerError {
     kind: ErrorKind,
     code: Cow<'static, str>,
     message: String,
+    /// Stored as it is, beside or instead of the message.
+    safe_detail: Option<String>,
     /// Set when the error came from the database: how the runtime should treat it beyond
     /// `kind` (run the transaction again, requeue during an outage, find the real culprit).
     db_class: Option<DbErrorClass>,
@@ -126,6 +135,7 @@ impl HandlerError {
             kind: ErrorKind::Retryable,
             code: code.into(),
             message: message.into(),
+            safe_detail: None,
             db_class: None,
         }
     }
@@ -136,6 +146,7 @@ impl HandlerError {
             kind: ErrorKind::Permanent,
             code: code.into(),
             message: message.into(),
+            safe_detail: None,
             db_class: None,
         }
     }
@@ -148,6 +159,22 @@ impl HandlerError {
             .or_else(|| panic.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "a panic without a message".to_owned());
         Self::permanent(HANDLER_PANICKED, format!("the handler panicked: {text}"))
+    }
+
+    /// Adds `detail`, stored in `last_error_message` as it is whatever the privacy policy says
+    /// (the message itself follows the policy of the payload). Put there only what may be read
+    /// by anyone who can read the inbox: an order number, the rule that refused the message, a
+    /// field path; never a value from the payload or its headers. When the policy stores the
+    /// message, the stored text is the message (include the detail in it if you want both).
+    #[must_use]
+    pub fn with_safe_detail(mut self, detail: impl Into<String>) -> Self {
+        self.safe_detail = Some(detail.into());
+        self
+    }
+
+    /// The detail stored whatever the policy, see [`HandlerError::with_safe_detail`].
+    pub fn safe_detail(&self) -> Option<&str> {
+        self.safe_detail.as_deref()
     }
 
     pub(crate) fn db_class(&self) -> Option<DbErrorClass> {
@@ -164,7 +191,8 @@ impl HandlerError {
         &self.code
     }
 
-    /// Human-readable message, stored (truncated) in `last_error_message`.
+    /// Human-readable message, stored (truncated) in `last_error_message` where the privacy
+    /// policy lets the payload be stored in clear, sealed with it where it is encrypted.
     pub fn message(&self) -> &str {
         &self.message
     }
@@ -185,7 +213,15 @@ impl From<sqlx::Error> for HandlerError {
                     .code()
                     .map(|c| deterministic_code(&c))
                     .unwrap_or("db_error");
-                HandlerError::permanent(code, db.message().to_owned())
+                // PostgreSQL's message may quote the value it refused; what is safe to show
+                // whatever the policy is where it failed.
+                let mut safe = format!("SQLSTATE {}", db.code().unwrap_or_default());
+                for (what, name) in [("table", db.table()), ("constraint", db.constraint())] {
+                    if let Some(name) = name {
+                        safe.push_str(&format!(", {what} {name}"));
+                    }
+                }
+                HandlerError::permanent(code, db.message().to_owned()).with_safe_detail(safe)
             }
             _ => HandlerError::retryable("db_error", e.to_string()),
         };

@@ -46,6 +46,7 @@ mod error;
 #[cfg(feature = "fault-injection")]
 mod fault;
 mod handler;
+mod json_error;
 mod lease;
 pub mod ops;
 mod outbox;

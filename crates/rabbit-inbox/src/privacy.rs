@@ -20,16 +20,27 @@ use std::{
 };
 
 use aes_gcm::{
-    Aes256Gcm, Key, Nonce,
-    aead::{Aead, AeadCore, KeyInit, OsRng, Payload},
+    Aes256Gcm, Nonce,
+    aead::{Aead, AeadCore, KeyInit, OsRng, Payload, rand_core::RngCore},
 };
+use zeroize::{Zeroize, Zeroizing};
 
+use base64::{Engine, engine::general_purpose::STANDARD as BASE64};
 use sha2::{Digest, Sha256};
 
 use crate::{canonical_json::canonical_sha256, config::PayloadStorage, envelope::Envelope};
 
-/// Value written in place of a redacted JSON field.
+/// Value written in place of a redacted JSON field, and in `last_error_message` in place of
+/// a handler's message the policy does not store in clear.
 pub const REDACTED: &str = "[redacted]";
+
+/// `last_error_message` of a row whose error message is sealed (`last_error_sealed`) and that
+/// has no safe detail to show instead.
+pub const SEALED: &str = "[sealed]";
+
+/// The one member of a stored headers object when encryption is on:
+/// `{"x-inbox-sealed": {"key_id": .., "sealed": <base64>}}`; [`open_headers`] opens it.
+pub const SEALED_HEADERS: &str = "x-inbox-sealed";
 
 /// Why a stored payload cannot be turned back into its body, or a key not be added.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -59,6 +70,11 @@ pub enum PrivacyError {
     /// A key cannot be added or activated.
     #[error("keyring: {0}")]
     Keyring(String),
+    /// Encryption is configured (a keyring was given) but the row holds this field in clear,
+    /// without a key id: written before encryption was turned on, or by something else than
+    /// the library. Not served as if it were sealed.
+    #[error("stored in clear although encryption is configured (no key id)")]
+    NotSealed,
 }
 
 /// Storage policy, redaction and encryption of stored payloads, per message type. Part of
@@ -222,6 +238,79 @@ impl PayloadRules {
         Some(headers)
     }
 
+    /// The stored headers (`storable`, what [`PayloadRules::headers`] gave) as they go into the
+    /// column: as they are without encryption, sealed under the tenant's key with it
+    /// (`{SEALED_HEADERS: {key_id, sealed}}`), nothing when there is no usable key.
+    pub(crate) fn seal_headers(
+        &self,
+        consumer: &str,
+        envelope: &Envelope,
+        storable: serde_json::Value,
+    ) -> serde_json::Value {
+        let empty = serde_json::Value::Object(serde_json::Map::new());
+        let Some(keyring) = &self.privacy.encryption else {
+            return storable;
+        };
+        if storable == empty {
+            return empty;
+        }
+        let Ok(clear) = serde_json::to_vec(&storable) else {
+            return empty;
+        };
+        let aad = headers_aad(consumer, &envelope.message_id);
+        match keyring.seal(envelope.tenant_id.as_deref(), &clear, &aad) {
+            Ok((key_id, sealed)) => serde_json::json!({
+                SEALED_HEADERS: { "key_id": key_id, "sealed": BASE64.encode(sealed) }
+            }),
+            // No clear-text fallback, as for the body.
+            Err(_) => empty,
+        }
+    }
+
+    /// What goes into the error columns for a failure of `envelope` with `message`
+    /// (truncated already) and the handler's `safe` detail. The message follows the body's
+    /// policy: in clear where a body of its type is stored in clear, sealed under the
+    /// tenant's key when encryption is on, withheld for a type whose bodies are never stored
+    /// or have fields redacted (free text cannot be redacted by pointer). `safe` is stored as
+    /// it is, and shown in place of a message that is sealed or withheld.
+    pub(crate) fn error(
+        &self,
+        consumer: &str,
+        envelope: &Envelope,
+        message: &str,
+        safe: Option<&str>,
+    ) -> StoredError {
+        let withheld = |marker: &str| StoredError {
+            message: safe.unwrap_or(marker).to_owned(),
+            safe: safe.map(str::to_owned),
+            sealed: None,
+            key_id: None,
+        };
+        if !self.keeps(&envelope.message_type, Phase::Failed)
+            || self.has_redaction_rules(&envelope.message_type)
+        {
+            return withheld(REDACTED);
+        }
+        let Some(keyring) = &self.privacy.encryption else {
+            return StoredError::clear(message, safe);
+        };
+        let aad = error_aad(consumer, &envelope.message_id);
+        match keyring.seal(envelope.tenant_id.as_deref(), message.as_bytes(), &aad) {
+            Ok((key_id, sealed)) => StoredError {
+                sealed: Some(sealed),
+                key_id: Some(key_id),
+                ..withheld(SEALED)
+            },
+            Err(_) => withheld(REDACTED),
+        }
+    }
+
+    fn has_redaction_rules(&self, message_type: &str) -> bool {
+        ["*", message_type]
+            .iter()
+            .any(|t| self.privacy.redact.get(*t).is_some_and(|p| !p.is_empty()))
+    }
+
     /// `body` with the configured fields of `message_type` redacted; `None` when there are
     /// rules but the body is not a JSON document they can apply to.
     fn redacted(&self, message_type: &str, body: &[u8]) -> Option<Vec<u8>> {
@@ -240,6 +329,28 @@ impl PayloadRules {
             }
         }
         serde_json::to_vec(&doc).ok()
+    }
+}
+
+/// What goes into the error columns of a failure: `last_error_message` (what anyone who can
+/// read the inbox sees), `last_error_safe`, `last_error_sealed` and `last_error_key_id`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StoredError {
+    pub(crate) message: String,
+    pub(crate) safe: Option<String>,
+    pub(crate) sealed: Option<Vec<u8>>,
+    pub(crate) key_id: Option<String>,
+}
+
+impl StoredError {
+    /// The message in clear (no policy, or one that stores the body in clear).
+    pub(crate) fn clear(message: &str, safe: Option<&str>) -> Self {
+        Self {
+            message: message.to_owned(),
+            safe: safe.map(str::to_owned),
+            sealed: None,
+            key_id: None,
+        }
     }
 }
 
@@ -278,15 +389,91 @@ pub fn open_payload(
     consumer: &str,
     message_id: &str,
 ) -> Result<Vec<u8>, PrivacyError> {
-    let Some(key_id) = &stored.key_id else {
-        return Ok(stored.bytes.clone());
+    open_sealed(
+        keyring,
+        &stored.bytes,
+        stored.key_id.as_deref(),
+        &row_aad(consumer, message_id),
+    )
+}
+
+/// The error message a row's `last_error_sealed` holds (sealed under `key_id`).
+pub fn open_error(
+    keyring: Option<&Keyring>,
+    sealed: &[u8],
+    key_id: &str,
+    consumer: &str,
+    message_id: &str,
+) -> Result<String, PrivacyError> {
+    let bytes = open_sealed(
+        keyring,
+        sealed,
+        Some(key_id),
+        &error_aad(consumer, message_id),
+    )?;
+    String::from_utf8(bytes).map_err(|_| PrivacyError::Corrupt)
+}
+
+/// The headers a row's `headers` column holds: opened when sealed
+/// (`{SEALED_HEADERS: {key_id, sealed}}`), as they are when stored in clear without a keyring.
+/// With a keyring (encryption configured) headers stored in clear are
+/// [`PrivacyError::NotSealed`]; an empty object is no headers either way.
+pub fn open_headers(
+    keyring: Option<&Keyring>,
+    stored: &serde_json::Value,
+    consumer: &str,
+    message_id: &str,
+) -> Result<serde_json::Value, PrivacyError> {
+    let sealed = stored
+        .as_object()
+        .filter(|m| m.len() == 1)
+        .and_then(|m| m.get(SEALED_HEADERS));
+    let Some(sealed) = sealed else {
+        return match stored.as_object() {
+            Some(m) if !m.is_empty() && keyring.is_some() => Err(PrivacyError::NotSealed),
+            _ => Ok(stored.clone()),
+        };
     };
-    let Some(keyring) = keyring else {
-        return Err(PrivacyError::NoKeyring {
-            key_id: key_id.clone(),
-        });
-    };
-    keyring.open(key_id, &stored.bytes, &row_aad(consumer, message_id))
+    let key_id = sealed
+        .get("key_id")
+        .and_then(serde_json::Value::as_str)
+        .ok_or(PrivacyError::Corrupt)?;
+    let bytes = sealed
+        .get("sealed")
+        .and_then(serde_json::Value::as_str)
+        .and_then(|b| BASE64.decode(b).ok())
+        .ok_or(PrivacyError::Corrupt)?;
+    let clear = open_sealed(
+        keyring,
+        &bytes,
+        Some(key_id),
+        &headers_aad(consumer, message_id),
+    )?;
+    serde_json::from_slice(&clear).map_err(|_| PrivacyError::Corrupt)
+}
+
+/// Opens `bytes` sealed under `key_id`; bytes without a key id are clear text, which is
+/// refused when a keyring is given (encryption is configured, so the row should be sealed).
+fn open_sealed(
+    keyring: Option<&Keyring>,
+    bytes: &[u8],
+    key_id: Option<&str>,
+    aad: &[u8],
+) -> Result<Vec<u8>, PrivacyError> {
+    match (key_id, keyring) {
+        (None, None) => Ok(bytes.to_vec()),
+        (None, Some(_)) => Err(PrivacyError::NotSealed),
+        (Some(key_id), None) => Err(PrivacyError::NoKeyring {
+            key_id: key_id.to_owned(),
+        }),
+        (Some(key_id), Some(keyring)) => keyring.open(key_id, bytes, aad),
+    }
+}
+
+/// A cipher over `key` (32 bytes), read in place: no copy of the key is left behind, and the
+/// cipher's key schedule is wiped when it is dropped (the `aes` crate's `zeroize` feature).
+fn cipher(key: &[u8]) -> Result<Aes256Gcm, PrivacyError> {
+    Aes256Gcm::new_from_slice(key).map_err(|_| PrivacyError::Corrupt)
 }
 
 fn nonce_of(bytes: &[u8]) -> Result<Nonce<aes_gcm::aead::consts::U12>, PrivacyError> {
@@ -297,6 +484,16 @@ fn nonce_of(bytes: &[u8]) -> Result<Nonce<aes_gcm::aead::consts::U12>, PrivacyEr
 
 fn row_aad(consumer: &str, message_id: &str) -> Vec<u8> {
     format!("rabbit-inbox payload v1\0{consumer}\0{message_id}").into_bytes()
+}
+
+/// The headers' and the error message's own contexts: neither can be passed off as the
+/// other, or as the body.
+fn headers_aad(consumer: &str, message_id: &str) -> Vec<u8> {
+    format!("rabbit-inbox headers v1\0{consumer}\0{message_id}").into_bytes()
+}
+
+fn error_aad(consumer: &str, message_id: &str) -> Vec<u8> {
+    format!("rabbit-inbox error v1\0{consumer}\0{message_id}").into_bytes()
 }
 
 /// Format version of a sealed payload.
@@ -320,12 +517,23 @@ pub struct Keyring {
     inner: RwLock<Ring>,
 }
 
+/// Key material: on the heap, so the map's rehashing moves only the pointer, and wiped when
+/// dropped.
+type KeyBytes = Box<Zeroizing<[u8; 32]>>;
+
 #[derive(Default)]
 struct Ring {
-    keys: HashMap<String, Key<Aes256Gcm>>,
+    keys: HashMap<String, KeyBytes>,
     active: Option<String>,
     tenants: HashMap<String, String>,
     destroyed: HashSet<String>,
+}
+
+impl Ring {
+    /// Drops `key_id`'s material, wiped (dropping a [`KeyBytes`] zeroes it).
+    fn forget(&mut self, key_id: &str) {
+        drop(self.keys.remove(key_id));
+    }
 }
 
 impl std::fmt::Debug for Keyring {
@@ -370,7 +578,11 @@ impl Keyring {
         if ring.keys.contains_key(&key_id) {
             return Err(PrivacyError::Keyring(format!("key {key_id:?} exists")));
         }
-        ring.keys.insert(key_id.clone(), key.into());
+        let mut key = key;
+        ring.keys
+            .insert(key_id.clone(), Box::new(Zeroizing::new(key)));
+        // The argument's copy on this stack frame.
+        key.zeroize();
         ring.active.get_or_insert(key_id);
         Ok(())
     }
@@ -410,7 +622,7 @@ impl Keyring {
     /// gets no stored payloads afterwards (never clear text, never another key).
     pub fn destroy(&self, key_id: &str) {
         let mut ring = self.write();
-        ring.keys.remove(key_id);
+        ring.forget(key_id);
         ring.destroyed.insert(key_id.to_owned());
         if ring.active.as_deref() == Some(key_id) {
             ring.active = None;
@@ -423,13 +635,13 @@ impl Keyring {
         let mut ring = self.write();
         for id in key_ids {
             let id = id.into();
-            ring.keys.remove(&id);
+            ring.forget(&id);
             ring.destroyed.insert(id);
         }
     }
 
     /// The key new writes of `tenant` use.
-    fn writing_key(&self, tenant: Option<&str>) -> Result<(String, Key<Aes256Gcm>), PrivacyError> {
+    fn writing_key(&self, tenant: Option<&str>) -> Result<(String, Aes256Gcm), PrivacyError> {
         let ring = self.read();
         let id = match tenant.and_then(|t| ring.tenants.get(t)) {
             Some(id) => id,
@@ -445,10 +657,10 @@ impl Keyring {
             .keys
             .get(id)
             .ok_or_else(|| PrivacyError::UnknownKey { key_id: id.clone() })?;
-        Ok((id.clone(), *key))
+        Ok((id.clone(), cipher(&key[..])?))
     }
 
-    fn reading_key(&self, key_id: &str) -> Result<Key<Aes256Gcm>, PrivacyError> {
+    fn reading_key(&self, key_id: &str) -> Result<Aes256Gcm, PrivacyError> {
         let ring = self.read();
         if ring.destroyed.contains(key_id) {
             return Err(PrivacyError::KeyDestroyed {
@@ -457,10 +669,10 @@ impl Keyring {
         }
         ring.keys
             .get(key_id)
-            .copied()
+            .map(|k| cipher(&k[..]))
             .ok_or_else(|| PrivacyError::UnknownKey {
                 key_id: key_id.to_owned(),
-            })
+            })?
     }
 
     /// Seals `body`: a fresh data key encrypts it, the ring's key for `tenant` wraps the data
@@ -473,9 +685,10 @@ impl Keyring {
         aad: &[u8],
     ) -> Result<(String, Vec<u8>), PrivacyError> {
         let (key_id, kek) = self.writing_key(tenant)?;
-        let dek = Aes256Gcm::generate_key(OsRng);
+        let mut dek = Zeroizing::new([0u8; 32]);
+        OsRng.fill_bytes(&mut dek[..]);
         let wrap_nonce = Aes256Gcm::generate_nonce(OsRng);
-        let wrapped = Aes256Gcm::new(&kek)
+        let wrapped = kek
             .encrypt(
                 &wrap_nonce,
                 Payload {
@@ -485,7 +698,7 @@ impl Keyring {
             )
             .map_err(|_| PrivacyError::Corrupt)?;
         let nonce = Aes256Gcm::generate_nonce(OsRng);
-        let ciphertext = Aes256Gcm::new(&dek)
+        let ciphertext = cipher(&dek[..])?
             .encrypt(&nonce, Payload { msg: body, aad })
             .map_err(|_| PrivacyError::Corrupt)?;
         let mut out = Vec::with_capacity(1 + 2 * NONCE_LEN + WRAPPED_KEY_LEN + ciphertext.len());
@@ -506,18 +719,20 @@ impl Keyring {
         let (wrap_nonce, rest) = rest.split_at(NONCE_LEN);
         let (wrapped, rest) = rest.split_at(WRAPPED_KEY_LEN);
         let (nonce, ciphertext) = rest.split_at(NONCE_LEN);
-        let dek = Aes256Gcm::new(&kek)
-            .decrypt(
+        let dek = Zeroizing::new(
+            kek.decrypt(
                 &nonce_of(wrap_nonce)?,
                 Payload {
                     msg: wrapped,
                     aad: key_id.as_bytes(),
                 },
             )
-            .map_err(|_| PrivacyError::Corrupt)?;
-        let dek = <[u8; 32]>::try_from(&dek[..]).map_err(|_| PrivacyError::Corrupt)?;
-        let dek = Key::<Aes256Gcm>::from(dek);
-        Aes256Gcm::new(&dek)
+            .map_err(|_| PrivacyError::Corrupt)?,
+        );
+        if dek.len() != 32 {
+            return Err(PrivacyError::Corrupt);
+        }
+        cipher(&dek)?
             .decrypt(
                 &nonce_of(nonce)?,
                 Payload {

@@ -304,6 +304,8 @@ struct PendingFailure {
     status: InboxStatus,
     code: String,
     message: String,
+    /// Stored as it is whatever the privacy policy (see `Failure::safe_detail`).
+    safe_detail: Option<String>,
     store_payload: bool,
     /// An invalid delivery: it must never change the row of a valid copy of its key.
     invalid: bool,
@@ -417,6 +419,8 @@ impl<H: BatchHandler> Processor<H> {
                     status: InboxStatus::PermanentFailed,
                     code: invalid.reason.code().to_owned(),
                     message: invalid.detail.clone(),
+                    // The library's own words: sizes, positions, kinds, never the values.
+                    safe_detail: Some(invalid.detail.clone()),
                     store_payload: invalid.reason != crate::InvalidReason::PayloadTooLarge,
                     invalid: true,
                     minimal: false,
@@ -445,6 +449,7 @@ impl<H: BatchHandler> Processor<H> {
             status: InboxStatus::PermanentFailed,
             code: code.to_owned(),
             message,
+            safe_detail: None,
             store_payload: true, // the store applies the privacy policy
             invalid: false,
             minimal: false,
@@ -569,6 +574,7 @@ impl<H: BatchHandler> Processor<H> {
             },
             code: e.code().to_owned(),
             message: e.message().to_owned(),
+            safe_detail: e.safe_detail().map(str::to_owned),
             store_payload: true,
             invalid: false,
             minimal: false,
@@ -1132,6 +1138,7 @@ impl<H: BatchHandler> Processor<H> {
                         status: f.status,
                         code: &f.code,
                         message: &f.message,
+                        safe_detail: f.safe_detail.as_deref(),
                         max_attempts: self.retry.max_attempts,
                         store_payload: f.store_payload && !f.minimal,
                     };

@@ -1,26 +1,32 @@
 //! Least-privilege grants on an inbox schema, as SQL to review and run (`inboxctl grants`).
 //!
-//! **Invariant:** the consumer role can claim, read and update inbox rows and append audit
-//! rows, nothing more: no DELETE anywhere, no DDL, and `inbox_audit` is append-only for
-//! everyone (a trigger refuses UPDATE and DELETE). Migrations run as the schema's owner, never
-//! as one of these roles.
+//! **Invariant:** the consumer role can claim, read and update inbox rows and record its
+//! recoveries, nothing more: no DELETE anywhere, no DDL. `inbox_audit` is append-only for
+//! everyone (triggers refuse UPDATE, DELETE and TRUNCATE) and no role inserts into it directly:
+//! each writes through the `SECURITY DEFINER` audit function of the actions it performs
+//! ([`AuditWriter`]), and the row records the writer's `session_user` and the server's time.
+//! No role reaches tables outside the library's list (the application's own tables in the same
+//! schema are the application's to grant) nor writes the migrations ledger. Migrations run as
+//! the schema's owner, never as one of these roles.
 
-use crate::SchemaName;
+use crate::{SchemaName, schema::MIGRATIONS_TABLE};
 
 /// Which grants a role gets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RoleKind {
-    /// A consumer instance: SELECT, INSERT, UPDATE on `message_inbox`; SELECT, INSERT on
-    /// `inbox_audit` (recovery writes it); SELECT on `inbox_tombstone`.
+    /// A consumer instance: SELECT, INSERT, UPDATE on `message_inbox` and the outbox; SELECT on
+    /// `inbox_tombstone`; records its recoveries ([`AuditWriter::Recovery`]).
     Consumer,
     /// Retention (`inboxctl cleanup`, or a consumer with `retention.interval`; grant it beside
     /// [`RoleKind::Consumer`]): removes expired inbox rows, writes and expires tombstones,
-    /// archives, keeps its progress marks.
+    /// archives, keeps its progress marks, records its runs ([`AuditWriter::Retention`]).
     Retention,
-    /// Read-only inspection (`status`, `list`, `show`): SELECT on every inbox table.
+    /// Read-only inspection (`status`, `list`, `show`, the admin server's read tokens): SELECT
+    /// on the inbox tables; records the payloads it reads ([`AuditWriter::Read`]).
     Operator,
-    /// Every operation (redrive, reopen, recovery, cleanup): all table privileges in the
-    /// schema, still no DDL (that stays with the owner that migrates).
+    /// Every operation (redrive, reopen, recovery, cleanup): reads and writes the inbox tables
+    /// and records every action, still no DDL (that stays with the owner that migrates), no
+    /// write to the audit trail but through its functions, no application table.
     Admin,
 }
 
@@ -56,6 +62,82 @@ impl std::str::FromStr for RoleKind {
     }
 }
 
+/// The audit functions of migration `0010`, one per family of actions (`SECURITY DEFINER`,
+/// owned by the schema's owner; a role may call those its kind has EXECUTE on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AuditWriter {
+    /// `recover_republish`, `recover_manual_review`.
+    Recovery,
+    /// `cleanup`, `cleanup_forced`.
+    Retention,
+    /// `reopen`, `forced_replay`, `redrive`, `redrive_drop_processed`, `redrive_drop_redriven`.
+    Operation,
+    /// `payload_read`.
+    Read,
+}
+
+impl AuditWriter {
+    /// The function's name (unqualified).
+    pub fn function(self) -> &'static str {
+        match self {
+            AuditWriter::Recovery => "inbox_audit_recovery",
+            AuditWriter::Retention => "inbox_audit_retention",
+            AuditWriter::Operation => "inbox_audit_operation",
+            AuditWriter::Read => "inbox_audit_read",
+        }
+    }
+
+    /// The writer that records `action`; `None` for an action no function accepts.
+    pub fn for_action(action: &str) -> Option<AuditWriter> {
+        Some(match action {
+            "recover_republish" | "recover_manual_review" => AuditWriter::Recovery,
+            "cleanup" | "cleanup_forced" => AuditWriter::Retention,
+            "reopen"
+            | "forced_replay"
+            | "redrive"
+            | "redrive_drop_processed"
+            | "redrive_drop_redriven" => {
+                AuditWriter::Operation
+            }
+            "payload_read" => AuditWriter::Read,
+            _ => return None,
+        })
+    }
+
+    /// The writers `kind` may call.
+    pub fn of(kind: RoleKind) -> &'static [AuditWriter] {
+        match kind {
+            RoleKind::Consumer => &[AuditWriter::Recovery],
+            RoleKind::Retention => &[AuditWriter::Retention],
+            RoleKind::Operator => &[AuditWriter::Read],
+            RoleKind::Admin => &[
+                AuditWriter::Recovery,
+                AuditWriter::Retention,
+                AuditWriter::Operation,
+                AuditWriter::Read,
+            ],
+        }
+    }
+}
+
+/// The argument types every audit function takes: action, actor, consumer, message id, reason,
+/// ticket, details.
+const AUDIT_ARGS: &str = "text, text, text, text, text, text, jsonb";
+
+/// The library's tables an operator reads (and an admin writes). Tables an application keeps
+/// in the same schema are not among them.
+const INBOX_TABLES: [&str; 6] = [
+    "message_inbox",
+    "inbox_tombstone",
+    "inbox_archive",
+    "inbox_retention_mark",
+    "outbox",
+    "outbox_stream",
+];
+
+/// Columns of the migrations ledger the doctor compares with the library's migrations.
+const LEDGER_COLUMNS: &str = "version, success, checksum";
+
 /// `name` as a quoted SQL identifier (any text is safe inside).
 fn ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
@@ -75,8 +157,6 @@ pub fn grant_statements(schema: &SchemaName, kind: RoleKind, grantee: &str) -> V
     match kind {
         RoleKind::Consumer => {
             grant("SELECT, INSERT, UPDATE", "message_inbox");
-            grant("SELECT, INSERT", "inbox_audit");
-            grant("USAGE", "inbox_audit_audit_id_seq");
             grant("SELECT", "inbox_tombstone");
             // Handlers enqueue; a relay in the consumer's process claims and marks rows.
             grant("SELECT, INSERT, UPDATE", "outbox");
@@ -89,22 +169,31 @@ pub fn grant_statements(schema: &SchemaName, kind: RoleKind, grantee: &str) -> V
             grant("INSERT", "inbox_archive");
             grant("USAGE", "inbox_archive_archive_id_seq");
             grant("SELECT, INSERT, UPDATE", "inbox_retention_mark");
-            grant("INSERT", "inbox_audit");
-            grant("USAGE", "inbox_audit_audit_id_seq");
             // The relay's retention of sent rows.
             grant("SELECT, DELETE", "outbox");
         }
         RoleKind::Operator => {
-            sql.push(format!("GRANT SELECT ON ALL TABLES IN SCHEMA {s} TO {to}"));
+            for t in INBOX_TABLES.iter().chain(&["inbox_audit"]) {
+                grant("SELECT", t);
+            }
+            // The doctor compares the applied migrations with the library's; nothing more.
+            grant(&format!("SELECT ({LEDGER_COLUMNS})"), MIGRATIONS_TABLE);
         }
         RoleKind::Admin => {
-            sql.push(format!(
-                "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {s} TO {to}"
-            ));
-            sql.push(format!(
-                "GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA {s} TO {to}"
-            ));
+            for t in INBOX_TABLES {
+                grant("SELECT, INSERT, UPDATE, DELETE", t);
+            }
+            grant("SELECT", "inbox_audit");
+            grant(&format!("SELECT ({LEDGER_COLUMNS})"), MIGRATIONS_TABLE);
+            grant("USAGE", "inbox_archive_archive_id_seq");
+            grant("USAGE", "outbox_seq_seq");
         }
+    }
+    for writer in AuditWriter::of(kind) {
+        sql.push(format!(
+            "GRANT EXECUTE ON FUNCTION {s}.{}({AUDIT_ARGS}) TO {to}",
+            ident(writer.function())
+        ));
     }
     sql
 }

@@ -14,7 +14,7 @@ use crate::{
     config::PayloadStorage,
     envelope::Envelope,
     error::StoreError,
-    privacy::{PayloadPrivacy, PayloadRules, Phase, Sealed, StoredPayload},
+    privacy::{PayloadPrivacy, PayloadRules, Phase, Sealed, StoredError, StoredPayload},
     schema::SchemaName,
 };
 
@@ -94,7 +94,8 @@ impl FromStr for InboxStatus {
 pub struct RowPayload {
     /// The stored body, if kept (redacted as configured; sealed when encryption is on).
     pub stored: Option<StoredPayload>,
-    /// The message's headers.
+    /// The message's headers as stored (redacted as configured; sealed when encryption is on,
+    /// see [`crate::privacy::open_headers`]).
     pub headers: serde_json::Value,
     /// The dedup hash of the original body.
     pub payload_sha256: Vec<u8>,
@@ -244,8 +245,12 @@ pub struct Failure<'a> {
     pub status: InboxStatus,
     /// Stable error code.
     pub code: &'a str,
-    /// Error message; truncated to [`MAX_ERROR_MESSAGE_CHARS`].
+    /// Error message; truncated to [`MAX_ERROR_MESSAGE_CHARS`]. Stored as the privacy policy
+    /// stores the body (in clear, sealed, or withheld).
     pub message: &'a str,
+    /// Detail stored as it is whatever the policy ([`crate::HandlerError::with_safe_detail`]);
+    /// shown in place of a message that is sealed or withheld.
+    pub safe_detail: Option<&'a str>,
     /// Attempt budget: a retryable failure on attempt `max_attempts` becomes `Poisoned`.
     pub max_attempts: i32,
     /// Keep the raw body in the row.
@@ -482,17 +487,18 @@ impl Sql {
                    aggregate_type, aggregate_id, status, processing_attempt, first_failed_at, \
                    last_failed_at, payload_sha256, payload, headers, last_error_code, \
                    last_error_message, correlation_id, causation_id, trace_id, tenant_id, \
-                   payload_key_id) \
+                   payload_key_id, last_error_safe, last_error_sealed, last_error_key_id) \
                  SELECT u.id, $1, u.ty, u.ver, u.agg_ty, u.agg_id, \
                    CASE WHEN u.status = 'RETRYABLE_FAILED' AND 1 >= $17 THEN 'POISONED' \
                         ELSE u.status END, \
                    1, now(), now(), u.sha, u.body, u.headers, u.code, u.msg, u.corr, u.cause, \
-                   u.trace, u.tenant, u.key_id \
+                   u.trace, u.tenant, u.key_id, u.safe, u.msg_sealed, u.msg_key_id \
                  FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::text[], $6::text[], \
                    $7::text[], $8::bytea[], $9::bytea[], $10::jsonb[], $11::text[], $12::text[], \
-                   $13::text[], $14::text[], $15::text[], $16::text[], $18::text[]) \
+                   $13::text[], $14::text[], $15::text[], $16::text[], $18::text[], \
+                   $19::text[], $20::bytea[], $21::text[]) \
                    AS u(id, ty, ver, agg_ty, agg_id, status, sha, body, headers, code, msg, \
-                        corr, cause, trace, tenant, key_id) \
+                        corr, cause, trace, tenant, key_id, safe, msg_sealed, msg_key_id) \
                  ON CONFLICT (message_id, consumer_name) DO UPDATE SET \
                    status = CASE WHEN EXCLUDED.status = 'RETRYABLE_FAILED' \
                                   AND i.processing_attempt + 1 >= $17 \
@@ -505,7 +511,10 @@ impl Sql {
                    payload_key_id = CASE WHEN EXCLUDED.payload IS NULL THEN i.payload_key_id \
                                          ELSE EXCLUDED.payload_key_id END, \
                    last_error_code = EXCLUDED.last_error_code, \
-                   last_error_message = EXCLUDED.last_error_message \
+                   last_error_message = EXCLUDED.last_error_message, \
+                   last_error_safe = EXCLUDED.last_error_safe, \
+                   last_error_sealed = EXCLUDED.last_error_sealed, \
+                   last_error_key_id = EXCLUDED.last_error_key_id \
                  WHERE i.status NOT IN ('PROCESSED', 'PERMANENT_FAILED', 'POISONED', \
                    'MANUAL_REVIEW') \
                  RETURNING message_id, status, processing_attempt"
@@ -663,9 +672,11 @@ impl InboxStore {
         }
     }
 
-    /// The headers column for `envelope`, beside the body `sealed` stored for it.
+    /// The headers column for `envelope`, beside the body `sealed` stored for it: redacted
+    /// as configured, and sealed like the body when encryption is on.
     fn stored_headers(
         &self,
+        consumer: &str,
         envelope: &Envelope,
         phase: Phase,
         sealed: &Sealed,
@@ -673,10 +684,30 @@ impl InboxStore {
         match &self.payload {
             None => storable_headers(&envelope.headers),
             Some(rules) => match rules.headers(envelope, phase, sealed) {
-                Some(headers) => storable_headers(&headers),
+                Some(headers) => rules.seal_headers(consumer, envelope, storable_headers(&headers)),
                 None => serde_json::Value::Object(serde_json::Map::new()),
             },
         }
+    }
+
+    /// The error columns for a failure of `envelope`: the message (truncated) as the privacy
+    /// policy stores the body, the safe detail as it is.
+    pub(crate) fn stored_error(
+        &self,
+        consumer: &str,
+        envelope: &Envelope,
+        message: &str,
+        safe_detail: Option<&str>,
+    ) -> StoredError {
+        let message = truncate(message, MAX_ERROR_MESSAGE_CHARS);
+        let safe = safe_detail.map(|s| truncate(s, MAX_ERROR_MESSAGE_CHARS));
+        let mut stored = match &self.payload {
+            None => StoredError::clear(message, safe),
+            Some(rules) => rules.error(consumer, envelope, message, safe),
+        };
+        stored.message = storable(stored.message).into_owned();
+        stored.safe = stored.safe.map(|s| storable(s).into_owned());
+        stored
     }
 
     /// The schema.
@@ -831,7 +862,7 @@ impl InboxStore {
                 sorted
                     .clone()
                     .zip(&sealed)
-                    .map(|(e, s)| self.stored_headers(e, phase, s))
+                    .map(|(e, s)| self.stored_headers(consumer, e, phase, s))
                     .collect::<Vec<_>>(),
             )
             .bind(
@@ -1165,6 +1196,10 @@ impl InboxStore {
             .iter()
             .map(|(e, f)| self.stored_body(consumer, e, Phase::Failed, f.store_payload))
             .collect();
+        let errors: Vec<StoredError> = failures
+            .iter()
+            .map(|(e, f)| self.stored_error(consumer, e, f.message, f.safe_detail))
+            .collect();
         let rows = sqlx::query(self.sql.record_failure.clone())
             .bind(consumer)
             .bind(
@@ -1210,13 +1245,16 @@ impl InboxStore {
                 failures
                     .iter()
                     .zip(&sealed)
-                    .map(|((e, _), s)| self.stored_headers(e, Phase::Failed, s))
+                    .map(|((e, _), s)| self.stored_headers(consumer, e, Phase::Failed, s))
                     .collect::<Vec<_>>(),
             )
             .bind(column(&|_, f| Some(storable(f.code).into_owned())))
-            .bind(column(&|_, f| {
-                Some(storable(truncate(f.message, MAX_ERROR_MESSAGE_CHARS)).into_owned())
-            }))
+            .bind(
+                errors
+                    .iter()
+                    .map(|e| e.message.as_str())
+                    .collect::<Vec<_>>(),
+            )
             .bind(column(&|e, _| {
                 e.correlation_id
                     .as_deref()
@@ -1236,6 +1274,19 @@ impl InboxStore {
                 sealed
                     .iter()
                     .map(|s| s.key_id.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(errors.iter().map(|e| e.safe.as_deref()).collect::<Vec<_>>())
+            .bind(
+                errors
+                    .iter()
+                    .map(|e| e.sealed.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                errors
+                    .iter()
+                    .map(|e| e.key_id.as_deref())
                     .collect::<Vec<_>>(),
             )
             .fetch_all(conn)

@@ -552,6 +552,7 @@ async fn racing_failure_does_not_revive_a_parked_row() {
         status,
         code,
         message: "m",
+        safe_detail: None,
         max_attempts: 5,
         store_payload: false,
     };

@@ -486,6 +486,12 @@ async fn reopen_and_forced_replay_are_audited_and_refused_without_force() {
     assert_eq!(shown.audit.len(), 1);
     assert_eq!(shown.audit[0].details["previous_status"], "POISONED");
     assert_eq!(shown.audit[0].ticket.as_deref(), Some("INC-7"));
+    // Stamped by the database: the session's role, whatever the writer says.
+    let session: String = sqlx::query_scalar("SELECT session_user::text")
+        .fetch_one(&env.pool)
+        .await
+        .expect("session user");
+    assert_eq!(shown.audit[0].db_role.as_deref(), Some(session.as_str()));
     let s = env.schema.as_str();
     for tamper in [
         format!("UPDATE \"{s}\".inbox_audit SET reason = 'nothing happened'"),

@@ -285,10 +285,12 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
                 Some(DbErrorClass::Outage) => Outcome::Unrecorded {
                     error: e.to_string(),
                 },
-                _ => self.fail(&lease, e).await,
+                _ => self.fail(&lease, msg.envelope, e).await,
             },
             Err(LeaseError::Database(e)) => match DbErrorClass::of(&e) {
-                DbErrorClass::Deterministic => self.fail(&lease, HandlerError::from(e)).await,
+                DbErrorClass::Deterministic => {
+                    self.fail(&lease, msg.envelope, HandlerError::from(e)).await
+                }
                 _ => Outcome::Unrecorded {
                     error: e.to_string(),
                 },
@@ -358,11 +360,14 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
     }
 
     /// Records the handler's failure while the lease is still held; a lost lease otherwise.
-    async fn fail(&self, lease: &Lease, e: HandlerError) -> Outcome {
+    async fn fail(&self, lease: &Lease, envelope: &Envelope, e: HandlerError) -> Outcome {
         let status = match e.kind() {
             ErrorKind::Retryable => InboxStatus::RetryableFailed,
             ErrorKind::Permanent => InboxStatus::PermanentFailed,
         };
+        let error = self
+            .store
+            .stored_error(&self.consumer, envelope, e.message(), e.safe_detail());
         let recorded = self
             .sql
             .fail(
@@ -373,7 +378,7 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
                 &lease.owner,
                 status,
                 e.code(),
-                e.message(),
+                &error,
                 self.retry.max_attempts,
                 self.payload_storage != PayloadStorage::Never,
             )

@@ -8,8 +8,9 @@ use sqlx::{PgConnection, PgPool, Row, SqlStr};
 
 use crate::{
     error::StoreError,
+    privacy::StoredError,
     schema::SchemaName,
-    store::{InboxStatus, MAX_ERROR_MESSAGE_CHARS, audited, storable, truncate},
+    store::{InboxStatus, audited, storable},
 };
 
 #[derive(Debug)]
@@ -79,7 +80,8 @@ impl LeaseSql {
                    status = CASE WHEN $5 = 'RETRYABLE_FAILED' AND processing_attempt >= $8 \
                             THEN 'POISONED' ELSE $5 END, \
                    first_failed_at = coalesce(first_failed_at, now()), last_failed_at = now(), \
-                   last_error_code = $6, last_error_message = $7, \
+                   last_error_code = $6, last_error_message = $7, last_error_safe = $10, \
+                   last_error_sealed = $11, last_error_key_id = $12, \
                    lease_owner = NULL, lease_expires_at = NULL, \
                    payload = CASE WHEN $9 THEN payload ELSE NULL END \
                  WHERE {HELD} \
@@ -196,7 +198,7 @@ impl LeaseSql {
         owner: &str,
         status: InboxStatus,
         code: &str,
-        message: &str,
+        error: &StoredError,
         max_attempts: i32,
         keep_payload: bool,
     ) -> Result<Option<(InboxStatus, i32)>, StoreError> {
@@ -208,9 +210,12 @@ impl LeaseSql {
             .bind(owner)
             .bind(status.as_str())
             .bind(storable(code))
-            .bind(storable(truncate(message, MAX_ERROR_MESSAGE_CHARS)))
+            .bind(&error.message)
             .bind(max_attempts)
             .bind(keep_payload)
+            .bind(error.safe.as_deref())
+            .bind(error.sealed.as_deref())
+            .bind(error.key_id.as_deref())
             .fetch_optional(pool)
             .await?;
         row.map(|r| {

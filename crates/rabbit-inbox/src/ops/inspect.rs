@@ -19,7 +19,7 @@ use crate::{
     InboxStatus, QueueDepth, RetryPolicy, Topology,
     broker::ParkingLot,
     error::StoreError,
-    privacy::{StoredPayload, open_payload},
+    privacy::{SEALED_HEADERS, StoredPayload, open_error, open_headers, open_payload},
 };
 
 /// Statuses of rows that are not done: the ones `list` shows unless told otherwise.
@@ -364,8 +364,12 @@ pub struct RowDetail {
     pub retry_duplicates: i32,
     /// Last error code.
     pub last_error_code: Option<String>,
-    /// Last error message.
+    /// Last error message: the handler's message where the privacy policy lets it be read
+    /// (in clear, or opened with the keyring), else its safe detail or a marker
+    /// ([`crate::privacy::REDACTED`], [`crate::privacy::SEALED`]).
     pub last_error_message: Option<String>,
+    /// Why a sealed error message could not be opened (no keyring, key destroyed), if it was.
+    pub last_error_sealed: Option<String>,
     /// Aggregate type.
     pub aggregate_type: Option<String>,
     /// Aggregate id.
@@ -378,7 +382,8 @@ pub struct RowDetail {
     pub trace_id: Option<String>,
     /// Tenant.
     pub tenant_id: Option<String>,
-    /// Application headers as stored.
+    /// Application headers as stored (redacted as configured), opened with the keyring when
+    /// sealed; when they cannot be opened, `{"x-inbox-sealed": "<why>"}`.
     pub headers: serde_json::Value,
     /// The body, if kept.
     pub payload: Option<Payload>,
@@ -428,6 +433,9 @@ pub struct AuditEntry {
     pub ticket: Option<String>,
     /// Specifics of the action.
     pub details: serde_json::Value,
+    /// The database role of the session that wrote the row (set by the database, not by the
+    /// writer); `None` for rows written before the audit trail recorded it.
+    pub db_role: Option<String>,
 }
 
 /// What [`Operations::show`] returns.
@@ -702,6 +710,44 @@ impl Operations {
         Ok(ListPage { rows, next_cursor })
     }
 
+    /// A row's error message, opened with the keyring when it is sealed; otherwise what
+    /// `last_error_message` shows, and why the sealed one stays closed.
+    fn readable_error(&self, row: &PgRow) -> Result<(Option<String>, Option<String>), OpsError> {
+        let shown: Option<String> = row.try_get("last_error_message")?;
+        let sealed: Option<Vec<u8>> = row.try_get("last_error_sealed")?;
+        let key_id: Option<String> = row.try_get("last_error_key_id")?;
+        let (Some(sealed), Some(key_id)) = (sealed, key_id) else {
+            return Ok((shown, None));
+        };
+        let consumer: String = row.try_get("consumer_name")?;
+        let message_id: String = row.try_get("message_id")?;
+        Ok(
+            match open_error(
+                self.keyring.as_deref(),
+                &sealed,
+                &key_id,
+                &consumer,
+                &message_id,
+            ) {
+                Ok(message) => (Some(message), None),
+                Err(e) => (shown, Some(e.to_string())),
+            },
+        )
+    }
+
+    /// A row's stored headers, opened with the keyring when they are sealed.
+    fn readable_headers(&self, row: &PgRow) -> Result<serde_json::Value, OpsError> {
+        let stored: serde_json::Value = row.try_get("headers")?;
+        let consumer: String = row.try_get("consumer_name")?;
+        let message_id: String = row.try_get("message_id")?;
+        Ok(
+            match open_headers(self.keyring.as_deref(), &stored, &consumer, &message_id) {
+                Ok(headers) => headers,
+                Err(e) => serde_json::json!({ SEALED_HEADERS: e.to_string() }),
+            },
+        )
+    }
+
     /// A row's stored payload, opened with the keyring when it is sealed.
     fn readable_payload(&self, row: &PgRow) -> Result<Option<Payload>, OpsError> {
         let Some(bytes) = row.try_get::<Option<Vec<u8>>, _>("payload")? else {
@@ -743,6 +789,7 @@ impl Operations {
             .map(|row| {
                 let status = status_of(row)?;
                 let attempt = row.try_get("processing_attempt")?;
+                let error = self.readable_error(row)?;
                 Ok(RowDetail {
                     message_id: row.try_get("message_id")?,
                     consumer_name: row.try_get("consumer_name")?,
@@ -768,14 +815,15 @@ impl Operations {
                     retry_due_at: row.try_get("retry_due_at")?,
                     retry_duplicates: row.try_get("retry_duplicates")?,
                     last_error_code: row.try_get("last_error_code")?,
-                    last_error_message: row.try_get("last_error_message")?,
+                    last_error_message: error.0,
+                    last_error_sealed: error.1,
                     aggregate_type: row.try_get("aggregate_type")?,
                     aggregate_id: row.try_get("aggregate_id")?,
                     correlation_id: row.try_get("correlation_id")?,
                     causation_id: row.try_get("causation_id")?,
                     trace_id: row.try_get("trace_id")?,
                     tenant_id: row.try_get("tenant_id")?,
-                    headers: row.try_get("headers")?,
+                    headers: self.readable_headers(row)?,
                     payload: self.readable_payload(row)?,
                     location: BrokerLocation::of(status, attempt, query.topology.as_ref()),
                 })
@@ -796,7 +844,7 @@ impl Operations {
         .collect::<Result<Vec<_>, _>>()?;
         let audit = sqlx::query(sql(format!(
             "SELECT audit_id, occurred_at, actor, action, consumer_name, message_id, reason, \
-               ticket, details FROM {} \
+               ticket, details, db_role FROM {} \
              WHERE message_id = $1 AND ($2::text IS NULL OR consumer_name = $2) \
              ORDER BY audit_id",
             self.schema.qualify("inbox_audit")
@@ -880,6 +928,7 @@ fn audit_from_row(row: &PgRow) -> Result<AuditEntry, StoreError> {
         reason: row.try_get("reason")?,
         ticket: row.try_get("ticket")?,
         details: row.try_get("details")?,
+        db_role: row.try_get("db_role")?,
     })
 }
 

@@ -6,6 +6,7 @@
 //! writes `inbox_audit` in the same transaction as the change; no operation deletes inbox
 //! evidence except retention, which leaves a tombstone.
 
+mod audit;
 mod doctor;
 mod inspect;
 mod recover;
@@ -13,6 +14,7 @@ mod redrive;
 mod reopen;
 mod retention;
 
+pub use audit::{PAYLOAD_READ, audit};
 pub use doctor::{Area, Check, DoctorReport, DoctorRequest, Severity, check_ids};
 pub use inspect::{
     AuditEntry, BrokerDepths, BrokerLocation, FailureGroup, ListFilter, ListPage, OPEN_STATUSES,

@@ -27,7 +27,7 @@ use crate::{
     Broker, OutgoingMessage,
     config::{ConsumerConfig, RetryPolicy},
     error::ConfigError,
-    privacy::{PrivacyError, is_original_body, open_payload},
+    privacy::{PrivacyError, is_original_body, open_headers, open_payload},
     store::{InboxStatus, InboxStore, audited},
 };
 
@@ -527,7 +527,20 @@ impl Operations {
                     .into(),
             )));
         }
-        let mut headers = match kept.headers {
+        // Headers are sealed with the body when encryption is on.
+        let headers = match open_headers(
+            self.keyring.as_deref(),
+            &kept.headers,
+            &request.consumer,
+            &m.message_id,
+        ) {
+            Ok(headers) => headers,
+            Err(e @ (PrivacyError::NoKeyring { .. } | PrivacyError::UnknownKey { .. })) => {
+                return Ok(Err(Unrepublishable::Sealed(e.to_string())));
+            }
+            Err(e) => return Ok(Err(Unrepublishable::Lost(e.to_string()))),
+        };
+        let mut headers = match headers {
             serde_json::Value::Object(map) => map,
             _ => serde_json::Map::new(),
         };
@@ -565,20 +578,15 @@ impl Operations {
             InboxStatus::RetryableFailed => "recover_republish",
             _ => "recover_manual_review",
         };
-        sqlx::query(audited(format!(
-            "INSERT INTO {} (actor, action, consumer_name, message_id, reason, ticket, details) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
-            self.schema.qualify("inbox_audit")
-        )))
-        .persistent(false)
-        .bind(actor.name())
-        .bind(action)
-        .bind(consumer)
-        .bind(message_id)
-        .bind(actor.reason())
-        .bind(actor.ticket())
-        .bind(details)
-        .execute(tx)
+        super::audit(
+            tx,
+            &self.schema,
+            actor,
+            action,
+            Some(consumer),
+            Some(message_id),
+            details,
+        )
         .await?;
         Ok(())
     }

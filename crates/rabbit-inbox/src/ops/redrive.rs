@@ -49,7 +49,8 @@ use sqlx::{AssertSqlSafe, Row};
 
 use super::{
     Actor, Operations, OpsError, Progress,
-    reopen::{FORCED_REPLAY, audit, reopen_row},
+    audit::audit,
+    reopen::{FORCED_REPLAY, reopen_row},
 };
 use crate::{EnvelopeRules, InboxStatus, ParkedMessage, ParkingLot, Republished, envelope::parse};
 

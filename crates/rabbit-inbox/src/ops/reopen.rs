@@ -1,5 +1,4 @@
-//! Audited reopen and forced replay of one inbox row, and the audit record every mutating
-//! operation writes.
+//! Audited reopen and forced replay of one inbox row.
 //!
 //! Reopening moves a failed row (or one set aside for manual review) to RETRYABLE_FAILED with
 //! its attempt count reset, so the next delivery of the message runs the handler with the full
@@ -11,7 +10,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
-use super::{Actor, Operations, OpsError};
+use super::{Actor, Operations, OpsError, audit::audit};
 use crate::{InboxStatus, SchemaName};
 
 /// Audit action of a reopened failed row.
@@ -35,33 +34,6 @@ pub struct Reopened {
     pub action: &'static str,
     /// The audit row written.
     pub audit_id: i64,
-}
-
-/// Writes one `inbox_audit` row on `conn` (inside the caller's transaction, with the change it
-/// records) and returns its id.
-pub(super) async fn audit(
-    conn: &mut PgConnection,
-    schema: &SchemaName,
-    actor: &Actor,
-    action: &str,
-    consumer: Option<&str>,
-    message_id: Option<&str>,
-    details: Value,
-) -> Result<i64, OpsError> {
-    Ok(sqlx::query_scalar(AssertSqlSafe(format!(
-        "INSERT INTO {} (actor, action, consumer_name, message_id, reason, ticket, details) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING audit_id",
-        schema.qualify("inbox_audit")
-    )))
-    .bind(actor.name())
-    .bind(action)
-    .bind(consumer)
-    .bind(message_id)
-    .bind(actor.reason())
-    .bind(actor.ticket())
-    .bind(details)
-    .fetch_one(conn)
-    .await?)
 }
 
 /// Reopens one row on `conn`, in the caller's transaction (the row stays locked until it

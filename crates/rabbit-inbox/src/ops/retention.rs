@@ -126,7 +126,6 @@ struct Sql {
     summarize: SqlStr,
     read_mark: SqlStr,
     write_mark: SqlStr,
-    audit: SqlStr,
 }
 
 fn sql(text: String) -> SqlStr {
@@ -143,7 +142,16 @@ const PROCESSED_SLICE: &str = "consumer_name = $1 AND status = 'PROCESSED' \
 const PARKED_EXPIRED: &str = "consumer_name = $1 AND status IN ('PERMANENT_FAILED', 'POISONED') \
      AND first_received_at < $2 AND coalesce(last_failed_at, first_received_at) < $2";
 
-const UNSCRUBBED: &str = "(payload IS NOT NULL OR headers <> '{}'::jsonb)";
+/// A row that still holds something of its message: a body, headers, or an error message that
+/// is not only its safe detail (in clear or sealed).
+const UNSCRUBBED: &str = "(payload IS NOT NULL OR headers <> '{}'::jsonb \
+     OR last_error_sealed IS NOT NULL OR last_error_message IS DISTINCT FROM \
+       CASE WHEN last_error_message IS NULL THEN NULL \
+       ELSE coalesce(last_error_safe, '[redacted]') END)";
+
+/// What scrubbing leaves of the error message: the safe detail, else a marker.
+const SCRUBBED_ERROR: &str = "CASE WHEN last_error_message IS NULL THEN NULL \
+     ELSE coalesce(last_error_safe, '[redacted]') END";
 
 impl Sql {
     fn new(schema: &SchemaName) -> Self {
@@ -176,7 +184,9 @@ impl Sql {
         };
         Sql {
             scrub: sql(format!(
-                "UPDATE {t} SET payload = NULL, payload_key_id = NULL, headers = '{{}}'::jsonb \
+                "UPDATE {t} SET payload = NULL, payload_key_id = NULL, headers = '{{}}'::jsonb, \
+                   last_error_message = {SCRUBBED_ERROR}, last_error_sealed = NULL, \
+                   last_error_key_id = NULL \
                  WHERE ctid = ANY(ARRAY(SELECT ctid FROM {t} \
                    WHERE {PROCESSED_SLICE} AND {UNSCRUBBED} LIMIT $6 FOR UPDATE SKIP LOCKED))"
             )),
@@ -232,11 +242,6 @@ impl Sql {
                 "INSERT INTO {marks} (consumer_name, pass, done_until) VALUES ($1, $2, $3) \
                  ON CONFLICT (consumer_name, pass) DO UPDATE SET done_until = EXCLUDED.done_until, \
                    updated_at = now()"
-            )),
-            audit: sql(format!(
-                "INSERT INTO {} (actor, action, consumer_name, reason, ticket, details) \
-                 VALUES ($1, $2, $3, $4, $5, $6)",
-                schema.qualify("inbox_audit")
             )),
         }
     }
@@ -316,6 +321,7 @@ impl Operations {
         let sql = Sql::new(&self.schema);
         let mut run = Run {
             conn: &mut conn,
+            schema: &self.schema,
             sql: &sql,
             request,
             progress,
@@ -365,6 +371,7 @@ impl Operations {
 /// One cleanup run on the lock's connection.
 struct Run<'a> {
     conn: &'a mut PgConnection,
+    schema: &'a SchemaName,
     sql: &'a Sql,
     request: &'a CleanupRequest,
     progress: &'a dyn Progress,
@@ -663,15 +670,20 @@ impl Run<'_> {
         ticket: Option<&str>,
         details: serde_json::Value,
     ) -> Result<(), OpsError> {
-        sqlx::query(self.sql.audit.clone())
-            .bind(actor)
-            .bind(action)
-            .bind(&self.request.consumer)
-            .bind(reason)
-            .bind(ticket)
-            .bind(details)
-            .execute(&mut *self.conn)
-            .await?;
+        let mut actor = Actor::new(actor, reason)?;
+        if let Some(ticket) = ticket {
+            actor = actor.with_ticket(ticket);
+        }
+        super::audit(
+            self.conn,
+            self.schema,
+            &actor,
+            action,
+            Some(&self.request.consumer),
+            None,
+            details,
+        )
+        .await?;
         Ok(())
     }
 }
