@@ -13,8 +13,8 @@ use rabbit_inbox::{
     Broker, InboxStatus, ParkingLot, PayloadStorage, RetentionPolicy,
     ops::{
         Actor, CleanupReport, CleanupRequest, DoctorReport, DoctorRequest, FailureGroup,
-        ListFilter, ListPage, NoProgress, RecoverRequest, RecoveryPolicy, RecoveryReport,
-        MAX_REDRIVE_RATE, MIN_REDRIVE_RATE, RedriveReport, RedriveRequest, Reopened, ShowQuery,
+        ListFilter, ListPage, MAX_REDRIVE_RATE, MIN_REDRIVE_RATE, NoProgress, RecoverRequest,
+        RecoveryPolicy, RecoveryReport, RedriveReport, RedriveRequest, Reopened, ShowQuery,
         ShowReport, StatusQuery, StatusReport,
     },
 };

@@ -325,14 +325,17 @@ mod tests {
     fn secrets_under_128_bits_are_refused() {
         let mut tokens = Tokens::none();
         for weak in [
-            "0123456789abcdef0123456789abcde",  // 31 hex digits: 124 bits
+            "0123456789abcdef0123456789abcde",      // 31 hex digits: 124 bits
             "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", // long, one symbol
             "abcabcabcabcabcabcabcabcabcabcabcabc", // long, three symbols
-            "correcthorsebatterystaple",        // 25 lowercase letters: 118 bits
-            "0123456789012345678901",           // 22 digits: 73 bits
+            "correcthorsebatterystaple",            // 25 lowercase letters: 118 bits
+            "0123456789012345678901",               // 22 digits: 73 bits
         ] {
             let e = tokens.add(Scope::Read, "weak", weak).expect_err(weak);
-            assert!(e.to_string().contains("bits") || e.to_string().contains("shorter"), "{e}");
+            assert!(
+                e.to_string().contains("bits") || e.to_string().contains("shorter"),
+                "{e}"
+            );
         }
         tokens
             .add(Scope::Read, "hex", "00112233445566778899aabbccddeeff")
@@ -345,7 +348,10 @@ mod tests {
 
     #[test]
     fn scopes_parse_and_include_the_ones_before() {
-        assert_eq!(Scope::parse("read:payload").expect("scope"), Scope::ReadPayload);
+        assert_eq!(
+            Scope::parse("read:payload").expect("scope"),
+            Scope::ReadPayload
+        );
         assert!(Scope::parse("payload").is_err());
         assert!(Scope::Read < Scope::ReadPayload && Scope::ReadPayload < Scope::Admin);
         assert_eq!(Scope::ReadPayload.to_string(), "read:payload");

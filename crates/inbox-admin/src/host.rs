@@ -135,7 +135,13 @@ mod tests {
     #[test]
     fn loopback_answers_for_its_own_names_only() {
         let h = hosts("127.0.0.1:9480", &[]);
-        for ok in ["127.0.0.1:9480", "localhost:9480", "LOCALHOST", "[::1]:9480", "localhost."] {
+        for ok in [
+            "127.0.0.1:9480",
+            "localhost:9480",
+            "LOCALHOST",
+            "[::1]:9480",
+            "localhost.",
+        ] {
             assert!(h.allows(ok), "{ok}");
         }
         for refused in [
@@ -151,7 +157,10 @@ mod tests {
 
     #[test]
     fn allowed_hosts_match_name_and_port_when_given() {
-        let h = hosts("0.0.0.0:9480", &["admin.example.com", "proxy.internal:8443"]);
+        let h = hosts(
+            "0.0.0.0:9480",
+            &["admin.example.com", "proxy.internal:8443"],
+        );
         assert!(h.allows("admin.example.com:9480"));
         assert!(h.allows("Admin.Example.Com"));
         assert!(h.allows("proxy.internal:8443"));

@@ -171,11 +171,7 @@ fn security_headers(app: Router, tls: bool) -> Router {
 }
 
 /// The whole application: API, OpenAPI document and dashboard, behind the Host check.
-fn router(
-    server: &Arc<Server>,
-    hosts: host::AllowedHosts,
-    options: &ServeOptions,
-) -> Router {
+fn router(server: &Arc<Server>, hosts: host::AllowedHosts, options: &ServeOptions) -> Router {
     let (api, openapi) = api_routes(server).split_for_parts();
     let openapi = Arc::new(openapi);
     let app = api

@@ -131,7 +131,11 @@ pub(crate) fn tls_config(files: &TlsFiles) -> Result<Arc<ServerConfig>, ServeErr
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| tls_error(&files.cert, "reading the certificate", e))?;
     if chain.is_empty() {
-        return Err(tls_error(&files.cert, "no certificate", "the file holds none"));
+        return Err(tls_error(
+            &files.cert,
+            "no certificate",
+            "the file holds none",
+        ));
     }
     let key = PrivateKeyDer::from_pem_file(&files.key)
         .map_err(|e| tls_error(&files.key, "reading the private key", e))?;
@@ -193,10 +197,18 @@ pub(crate) async fn run(
                 app.clone().oneshot(request)
             });
             let served = match tls {
-                None => watcher.watch(http.serve_connection(TokioIo::new(stream), service)).await,
+                None => {
+                    watcher
+                        .watch(http.serve_connection(TokioIo::new(stream), service))
+                        .await
+                }
                 Some(acceptor) => {
                     match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
-                        Ok(Ok(stream)) => watcher.watch(http.serve_connection(TokioIo::new(stream), service)).await,
+                        Ok(Ok(stream)) => {
+                            watcher
+                                .watch(http.serve_connection(TokioIo::new(stream), service))
+                                .await
+                        }
                         Ok(Err(e)) => {
                             tracing::debug!(%peer, error = %e, "admin server: TLS handshake failed");
                             return;

@@ -182,7 +182,11 @@ pub(crate) async fn run(servers: &Servers, args: ServeArgs) -> anyhow::Result<Ex
     eprintln!(
         "admin API and dashboard on {}://{} ({} read, {} read:payload, {} admin token(s)); \
          Ctrl-C or SIGTERM to stop",
-        if options.tls.is_some() { "https" } else { "http" },
+        if options.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        },
         listener.local_addr()?,
         tokens.count(Scope::Read),
         tokens.count(Scope::ReadPayload),

@@ -14,6 +14,7 @@ mod reopen;
 mod retention;
 
 pub use doctor::{Area, Check, DoctorReport, DoctorRequest, Severity, check_ids};
+pub use inspect::PAYLOAD_READ;
 pub use inspect::{
     AuditEntry, BrokerDepths, BrokerLocation, FailureGroup, ListFilter, ListPage, OPEN_STATUSES,
     Payload, RowDetail, RowSummary, ShowQuery, ShowReport, StatusLine, StatusQuery, StatusReport,
@@ -28,7 +29,6 @@ pub use redrive::{
     DROP_PROCESSED, Finding, MAX_REDRIVE_RATE, MIN_REDRIVE_RATE, ParkedAction, ParkedClass,
     REDRIVE, RedriveReport, RedriveRequest,
 };
-pub use inspect::PAYLOAD_READ;
 pub use reopen::{FORCED_REPLAY, REOPEN, Reopened};
 pub use retention::{CleanupReport, CleanupRequest};
 
