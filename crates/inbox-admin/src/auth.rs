@@ -73,7 +73,8 @@ pub fn secret_bits(secret: &str) -> f64 {
     {
         16
     } else {
-        let classes: [(fn(&char) -> bool, usize); 4] = [
+        type Class = fn(&char) -> bool;
+        let classes: [(Class, usize); 4] = [
             (char::is_ascii_lowercase, 26),
             (char::is_ascii_uppercase, 26),
             (char::is_ascii_digit, 10),
