@@ -195,12 +195,15 @@ async function showMessage(consumer, id) {
     }
     field("last failed", when(row.last_failed_at));
     field("error code", row.last_error_code);
-    field("error", row.last_error_message);
+    field("error", report.payload_hidden ? "(hidden: needs the read:payload scope)"
+      : row.last_error_message);
     field("aggregate", [row.aggregate_type, row.aggregate_id].filter(Boolean).join(" "));
     field("tenant", row.tenant_id);
     field("correlation id", row.correlation_id);
     const p = row.payload;
-    $("detail-payload").textContent = !p ? "(not kept)"
+    $("detail-payload").textContent = report.payload_hidden
+      ? "(hidden: this token lacks the read:payload scope)"
+      : !p ? "(not kept)"
       : p.encoding === "utf8" ? p.data
       : p.encoding === "sealed" ? `(encrypted with key ${p.data.key_id}, not shown: ${p.data.reason})`
       : "base64:" + p.data;

@@ -2,30 +2,48 @@
 //! scope). Each handler parses its request, calls [`Operations`](rabbit_inbox::ops::Operations)
 //! and returns the operation's report as JSON; no operation is implemented here.
 
-use std::{sync::Arc, time::Duration};
+use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use axum::{
     Extension, Json,
-    extract::{Path, Query, State},
+    extract::{ConnectInfo, State},
 };
 use chrono::{DateTime, Utc};
 use rabbit_inbox::{
     Broker, InboxStatus, ParkingLot, PayloadStorage, RetentionPolicy,
     ops::{
         Actor, CleanupReport, CleanupRequest, DoctorReport, DoctorRequest, FailureGroup,
-        ListFilter, ListPage, NoProgress, RecoverRequest, RecoveryPolicy, RecoveryReport,
-        RedriveReport, RedriveRequest, Reopened, ShowQuery, ShowReport, StatusQuery, StatusReport,
+        ListFilter, ListPage, MAX_REDRIVE_RATE, MIN_REDRIVE_RATE, NoProgress, RecoverRequest,
+        RecoveryPolicy, RecoveryReport, RedriveReport, RedriveRequest, Reopened, ShowQuery,
+        ShowReport, StatusQuery, StatusReport,
     },
 };
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
-use crate::{AdminState, BROKER_TIMEOUT, auth::Caller, error::ApiError};
+use crate::{
+    AdminState, BROKER_TIMEOUT, Server,
+    auth::{Caller, Scope},
+    error::{ApiError, Body, Params, Segments},
+};
 
-/// A duration in humantime form (`90s`, `5m`, `2h`, `30days`).
+/// Longest duration accepted in a request: a century. Longer ones overflow date arithmetic,
+/// and no retention or grace period is meant to be that long.
+const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// Most rows one recovery request may take.
+const MAX_RECOVER_LIMIT: usize = 10_000;
+
+/// A duration in humantime form (`90s`, `5m`, `2h`, `30days`), at most a century.
 fn duration(name: &str, text: &str) -> Result<Duration, ApiError> {
-    humantime::parse_duration(text)
-        .map_err(|e| ApiError::bad_request(format!("invalid {name} {text:?}: {e}")))
+    let d = humantime::parse_duration(text)
+        .map_err(|e| ApiError::bad_request(format!("invalid {name} {text:?}: {e}")))?;
+    if d > MAX_DURATION {
+        return Err(ApiError::bad_request(format!(
+            "{name} {text:?} is longer than a century"
+        )));
+    }
+    Ok(d)
 }
 
 /// A point in time: RFC 3339, or a duration meaning that long ago (`2h`).
@@ -38,6 +56,11 @@ fn instant(name: &str, text: &str) -> Result<DateTime<Utc>, ApiError> {
             "invalid {name} {text:?}: expected RFC 3339 or a duration ago such as 2h"
         ))
     })?;
+    if ago > MAX_DURATION {
+        return Err(ApiError::bad_request(format!(
+            "{name} {text:?} is too far back"
+        )));
+    }
     chrono::Duration::from_std(ago)
         .ok()
         .and_then(|ago| Utc::now().checked_sub_signed(ago))
@@ -56,8 +79,8 @@ async fn parking_lot(state: &AdminState) -> Result<Option<ParkingLot>, ApiError>
     let connect = ParkingLot::connect(&state.amqp_url, &topology.queue, &topology.parking_queue);
     match tokio::time::timeout(BROKER_TIMEOUT, connect).await {
         Ok(Ok(lot)) => Ok(Some(lot)),
-        Ok(Err(e)) => Err(ApiError::broker(format!("cannot reach RabbitMQ: {e}"))),
-        Err(_) => Err(ApiError::broker("RabbitMQ did not answer in time")),
+        Ok(Err(e)) => Err(ApiError::broker(&e)),
+        Err(_) => Err(ApiError::broker(&"no answer within the timeout")),
     }
 }
 
@@ -67,7 +90,7 @@ fn actor(caller: &Caller, reason: &str, ticket: Option<&str>) -> Result<Actor, A
             "a reason is required: it is written to the audit trail",
         ));
     }
-    Ok(Actor::new(&caller.name, reason)?.with_ticket(ticket.unwrap_or_default()))
+    Ok(Actor::new(&caller.name, reason)?.with_ticket(ticket.unwrap_or_default())?)
 }
 
 /// Query of `GET /api/v1/status`.
@@ -90,8 +113,8 @@ pub(crate) struct StatusParams {
     responses((status = 200, description = "StatusReport", body = serde_json::Value),
         (status = 401, description = "no or unknown token")))]
 pub(crate) async fn status(
-    State(state): State<Arc<AdminState>>,
-    Query(p): Query<StatusParams>,
+    State(state): State<Arc<Server>>,
+    Params(p): Params<StatusParams>,
 ) -> Result<Json<StatusReport>, ApiError> {
     let mut query = StatusQuery {
         consumer: given(&p.consumer).map(str::to_owned),
@@ -150,8 +173,8 @@ pub(crate) struct ListParams {
     responses((status = 200, description = "ListPage", body = serde_json::Value),
         (status = 400, description = "bad filter or cursor")))]
 pub(crate) async fn list(
-    State(state): State<Arc<AdminState>>,
-    Query(p): Query<ListParams>,
+    State(state): State<Arc<Server>>,
+    Params(p): Params<ListParams>,
 ) -> Result<Json<ListPage>, ApiError> {
     let statuses = given(&p.status)
         .map(|s| {
@@ -183,19 +206,39 @@ pub(crate) async fn list(
     Ok(Json(state.ops.list(&filter).await?))
 }
 
+/// The caller may see payloads, headers and error texts.
+fn sees_payloads(caller: Option<&Caller>) -> bool {
+    caller.is_some_and(|c| c.scope >= Scope::ReadPayload)
+}
+
+/// `GET /api/v1/messages/{consumer}/{message_id}`: the report, and whether its contents were
+/// withheld for want of the `read:payload` scope.
+#[derive(Debug, Serialize)]
+pub(crate) struct ShowResponse {
+    #[serde(flatten)]
+    report: ShowReport,
+    /// Payloads, headers and error texts were left out: the token lacks `read:payload`.
+    payload_hidden: bool,
+}
+
 /// One message of one consumer: its row, payload (if kept), tombstones, audit trail and where
-/// it is on the broker. 404 when the inbox has no trace of it.
+/// it is on the broker. 404 when the inbox has no trace of it. The payload, headers and error
+/// text are returned to `read:payload` and admin tokens only, and each such read is audited
+/// (`payload_read`, the token's name as actor) before it is answered; other tokens get
+/// `payload_hidden: true` and those fields empty.
 #[utoipa::path(get, path = "/api/v1/messages/{consumer}/{message_id}", tag = "inspection",
     params(("consumer" = String, Path, description = "Consumer name"),
         ("message_id" = String, Path, description = "The inbox key (percent-encoded)")),
     security(("bearer" = [])),
-    responses((status = 200, description = "ShowReport", body = serde_json::Value),
+    responses((status = 200, description = "ShowReport and payload_hidden", body = serde_json::Value),
         (status = 404, description = "no row or tombstone")))]
 pub(crate) async fn show(
-    State(state): State<Arc<AdminState>>,
-    Path((consumer, message_id)): Path<(String, String)>,
-) -> Result<Json<ShowReport>, ApiError> {
-    let report = state
+    State(state): State<Arc<Server>>,
+    caller: Option<Extension<Caller>>,
+    peer: Option<Extension<ConnectInfo<SocketAddr>>>,
+    Segments((consumer, message_id)): Segments<(String, String)>,
+) -> Result<Json<ShowResponse>, ApiError> {
+    let mut report = state
         .ops
         .show(&ShowQuery {
             message_id: message_id.clone(),
@@ -208,7 +251,37 @@ pub(crate) async fn show(
             "no inbox row or tombstone for {message_id:?} of consumer {consumer:?}"
         )));
     }
-    Ok(Json(report))
+    let caller = caller.map(|Extension(c)| c);
+    let payload_hidden = !sees_payloads(caller.as_ref());
+    match &caller {
+        Some(caller) if !payload_hidden && !report.rows.is_empty() => {
+            let actor = Actor::new(&caller.name, "message contents read through the admin API")?;
+            let row = &report.rows[0];
+            let details = serde_json::json!({
+                "scope": caller.scope.to_string(),
+                "payload_kept": row.payload.is_some(),
+                "status": row.status,
+                "peer": peer.map(|Extension(ConnectInfo(p))| p.ip().to_string()),
+            });
+            // Written before the contents leave: no audit row, no contents.
+            state
+                .ops
+                .audit_payload_read(&actor, &consumer, &message_id, details)
+                .await?;
+        }
+        _ => {}
+    }
+    if payload_hidden {
+        for row in &mut report.rows {
+            row.payload = None;
+            row.headers = serde_json::Value::Null;
+            row.last_error_message = None;
+        }
+    }
+    Ok(Json(ShowResponse {
+        report,
+        payload_hidden,
+    }))
 }
 
 /// Query of `GET /api/v1/failures`.
@@ -220,15 +293,23 @@ pub(crate) struct FailureParams {
 }
 
 /// Failed rows (retrying, parked, poisoned, in manual review) grouped by consumer, status,
-/// message type and error code, largest group first, with a sample of each.
+/// message type and error code, largest group first, with a sample of each. The sample's error
+/// text is returned to `read:payload` and admin tokens only.
 #[utoipa::path(get, path = "/api/v1/failures", tag = "inspection", params(FailureParams),
     security(("bearer" = [])),
     responses((status = 200, description = "FailureGroup list", body = serde_json::Value)))]
 pub(crate) async fn failures(
-    State(state): State<Arc<AdminState>>,
-    Query(p): Query<FailureParams>,
+    State(state): State<Arc<Server>>,
+    caller: Option<Extension<Caller>>,
+    Params(p): Params<FailureParams>,
 ) -> Result<Json<Vec<FailureGroup>>, ApiError> {
-    Ok(Json(state.ops.failure_groups(given(&p.consumer)).await?))
+    let mut groups = state.ops.failure_groups(given(&p.consumer)).await?;
+    if !sees_payloads(caller.as_ref().map(|Extension(c)| c)) {
+        for group in &mut groups {
+            group.sample_error = None;
+        }
+    }
+    Ok(Json(groups))
 }
 
 /// Body of `POST /api/v1/recover`.
@@ -245,7 +326,7 @@ pub(crate) struct RecoverBody {
     dry_run: bool,
     /// `retry` (republish; default) or `manual-review`.
     policy: Option<String>,
-    /// Most rows per run (default 1000).
+    /// Most rows per run, 1 to 10000 (default 1000).
     limit: Option<usize>,
     /// Added to a retry tier's delay before a retry counts as lost (default 1m).
     grace: Option<String>,
@@ -260,9 +341,9 @@ pub(crate) struct RecoverBody {
         (status = 403, description = "not an admin token"),
         (status = 409, description = "the server was started without --queue")))]
 pub(crate) async fn recover(
-    State(state): State<Arc<AdminState>>,
+    State(state): State<Arc<Server>>,
     Extension(caller): Extension<Caller>,
-    Json(body): Json<RecoverBody>,
+    Body(body): Body<RecoverBody>,
 ) -> Result<Json<RecoveryReport>, ApiError> {
     let actor = actor(&caller, &body.reason, body.ticket.as_deref())?;
     let Some((topology, retry)) = &state.queues else {
@@ -271,6 +352,12 @@ pub(crate) async fn recover(
             "recovery republishes to the work queue: start the server with --queue",
         ));
     };
+    let limit = body.limit.unwrap_or(1000);
+    if !(1..=MAX_RECOVER_LIMIT).contains(&limit) {
+        return Err(ApiError::bad_request(format!(
+            "limit must be 1 to {MAX_RECOVER_LIMIT}"
+        )));
+    }
     let policy = match body.policy.as_deref() {
         None | Some("retry") => RecoveryPolicy::Retry,
         Some("manual-review") => RecoveryPolicy::ManualReview,
@@ -291,7 +378,7 @@ pub(crate) async fn recover(
             .map(|g| duration("grace", g))
             .transpose()?
             .unwrap_or(Duration::from_secs(60)),
-        limit: body.limit.unwrap_or(1000),
+        limit,
         dry_run: body.dry_run,
     };
     let broker = tokio::time::timeout(
@@ -299,8 +386,8 @@ pub(crate) async fn recover(
         Broker::connect(&state.amqp_url, "inbox-admin recover"),
     )
     .await
-    .map_err(|_| ApiError::broker("RabbitMQ did not answer in time"))?
-    .map_err(|e| ApiError::broker(format!("cannot reach RabbitMQ: {e}")))?;
+    .map_err(|_| ApiError::broker(&"no answer within the timeout"))?
+    .map_err(|e| ApiError::broker(&e))?;
     let report = state
         .ops
         .recover(&broker, &actor, &request, &NoProgress)
@@ -329,9 +416,9 @@ pub(crate) struct CleanupBody {
     responses((status = 200, description = "CleanupReport", body = serde_json::Value),
         (status = 409, description = "the dedup window is shorter than the redelivery horizon")))]
 pub(crate) async fn cleanup_dry_run(
-    State(state): State<Arc<AdminState>>,
+    State(state): State<Arc<Server>>,
     Extension(caller): Extension<Caller>,
-    Json(body): Json<CleanupBody>,
+    Body(body): Body<CleanupBody>,
 ) -> Result<Json<CleanupReport>, ApiError> {
     actor(&caller, &body.reason, None)?;
     let mut retention = RetentionPolicy::default();
@@ -375,7 +462,7 @@ pub(crate) struct RedriveBody {
     since: Option<String>,
     /// Only copies parked before.
     until: Option<String>,
-    /// At most this many moves per second.
+    /// At most this many moves per second, 0.001 to 100000.
     rate_per_sec: Option<f64>,
     /// At most this many copies moved.
     limit: Option<u64>,
@@ -397,11 +484,21 @@ pub(crate) struct RedriveBody {
         (status = 403, description = "not an admin token"),
         (status = 409, description = "the server was started without --queue")))]
 pub(crate) async fn redrive(
-    State(state): State<Arc<AdminState>>,
+    State(state): State<Arc<Server>>,
     Extension(caller): Extension<Caller>,
-    Json(body): Json<RedriveBody>,
+    Body(body): Body<RedriveBody>,
 ) -> Result<Json<RedriveReport>, ApiError> {
     let actor = actor(&caller, &body.reason, body.ticket.as_deref())?;
+    if let Some(rate) = body.rate_per_sec
+        && !(MIN_REDRIVE_RATE..=MAX_REDRIVE_RATE).contains(&rate)
+    {
+        return Err(ApiError::bad_request(format!(
+            "rate_per_sec must be from {MIN_REDRIVE_RATE} to {MAX_REDRIVE_RATE}"
+        )));
+    }
+    if body.limit == Some(0) {
+        return Err(ApiError::bad_request("limit must be at least 1"));
+    }
     let request = RedriveRequest {
         dry_run: body.dry_run,
         consumer: given(&body.consumer).map(str::to_owned),
@@ -454,10 +551,10 @@ pub(crate) struct ReopenBody {
     responses((status = 200, description = "Reopened", body = serde_json::Value),
         (status = 409, description = "refused (PROCESSED without force_replay, PROCESSING)")))]
 pub(crate) async fn reopen(
-    State(state): State<Arc<AdminState>>,
+    State(state): State<Arc<Server>>,
     Extension(caller): Extension<Caller>,
-    Path((consumer, message_id)): Path<(String, String)>,
-    Json(body): Json<ReopenBody>,
+    Segments((consumer, message_id)): Segments<(String, String)>,
+    Body(body): Body<ReopenBody>,
 ) -> Result<Json<Reopened>, ApiError> {
     let actor = actor(&caller, &body.reason, body.ticket.as_deref())?;
     Ok(Json(
@@ -496,8 +593,8 @@ pub(crate) struct DoctorParams {
         (status = 400, description = "bad parameter"),
         (status = 401, description = "no or unknown token")))]
 pub(crate) async fn doctor(
-    State(state): State<Arc<AdminState>>,
-    Query(p): Query<DoctorParams>,
+    State(state): State<Arc<Server>>,
+    Params(p): Params<DoctorParams>,
 ) -> Result<Json<DoctorReport>, ApiError> {
     let mut retention = RetentionPolicy::default();
     if let Some(d) = given(&p.processed_retention) {

@@ -1,17 +1,50 @@
-//! How failures become HTTP responses: a status code and `{"error": "..."}`.
+//! How failures become HTTP responses: a status code and `{"error": "...", "request_id": "..."}`.
+//!
+//! Every request gets an id (the `X-Request-Id` response header). A failure of the database or
+//! the broker is logged with that id and answered with a generic message carrying it: their
+//! error texts (table names, hosts, SQL) are for the operator's log, not for the caller.
+//! Malformed bodies, queries and paths are 400s with the same JSON shape as every other error.
 
 use axum::{
     Json,
-    http::{HeaderValue, StatusCode, header},
+    extract::{FromRequest, FromRequestParts, Request, rejection::JsonRejection},
+    http::{HeaderName, HeaderValue, StatusCode, header, request::Parts},
+    middleware::Next,
     response::{IntoResponse, Response},
 };
 use rabbit_inbox::ops::OpsError;
+use serde::de::DeserializeOwned;
+
+/// The response header carrying the request's id.
+pub const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-request-id");
+
+tokio::task_local! {
+    /// The id of the request this task serves (set by [`request_id`]).
+    static REQUEST_ID: String;
+}
+
+/// The id of the request being served, if any.
+pub(crate) fn current_request_id() -> Option<String> {
+    REQUEST_ID.try_with(Clone::clone).ok()
+}
+
+/// Middleware: gives the request an id, visible to everything that runs for it (the handler
+/// runs in the same task) and returned in `X-Request-Id`.
+pub(crate) async fn request_id(request: Request, next: Next) -> Response {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let mut response = REQUEST_ID.scope(id.clone(), next.run(request)).await;
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, value);
+    }
+    response
+}
 
 /// An error response.
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
     message: String,
+    retry_after_secs: Option<u64>,
 }
 
 impl ApiError {
@@ -20,6 +53,7 @@ impl ApiError {
         Self {
             status,
             message: message.into(),
+            retry_after_secs: None,
         }
     }
 
@@ -43,9 +77,28 @@ impl ApiError {
         Self::new(StatusCode::NOT_FOUND, message)
     }
 
-    /// 502: the broker could not be reached.
-    pub fn broker(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_GATEWAY, message)
+    /// 429 with `Retry-After`.
+    pub fn too_many(message: impl Into<String>, retry_after_secs: u64) -> Self {
+        Self {
+            retry_after_secs: Some(retry_after_secs),
+            ..Self::new(StatusCode::TOO_MANY_REQUESTS, message)
+        }
+    }
+
+    /// A failure of `what` (the database, RabbitMQ): `error` is logged under the request's id,
+    /// and the caller gets a generic message citing that id.
+    pub fn internal(status: StatusCode, what: &str, error: &dyn std::fmt::Display) -> Self {
+        let id = current_request_id().unwrap_or_else(|| "-".into());
+        tracing::error!(request_id = %id, error = %error, "admin API: {what} failed");
+        Self::new(
+            status,
+            format!("{what} failed; the server's log has the details under request id {id}"),
+        )
+    }
+
+    /// 502: the broker could not be reached; `error` goes to the log only.
+    pub fn broker(error: &dyn std::fmt::Display) -> Self {
+        Self::internal(StatusCode::BAD_GATEWAY, "reaching RabbitMQ", error)
     }
 
     /// The status code.
@@ -56,31 +109,91 @@ impl ApiError {
 
 impl From<OpsError> for ApiError {
     fn from(e: OpsError) -> Self {
-        let status = match &e {
-            OpsError::Invalid(_) => StatusCode::BAD_REQUEST,
-            OpsError::Refused(_) => StatusCode::CONFLICT,
-            OpsError::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
-            OpsError::Broker(_) => StatusCode::BAD_GATEWAY,
-        };
-        if status.is_server_error() {
-            tracing::warn!(error = %e, "admin API operation failed");
+        match &e {
+            OpsError::Invalid(_) => Self::bad_request(e.to_string()),
+            OpsError::Refused(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
+            OpsError::Store(_) => {
+                Self::internal(StatusCode::SERVICE_UNAVAILABLE, "the inbox database", &e)
+            }
+            OpsError::Broker(_) => Self::broker(&e),
         }
-        Self::new(status, e.to_string())
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut response = (
-            self.status,
-            Json(serde_json::json!({ "error": self.message })),
-        )
-            .into_response();
+        let body = match current_request_id() {
+            Some(id) => serde_json::json!({ "error": self.message, "request_id": id }),
+            None => serde_json::json!({ "error": self.message }),
+        };
+        let mut response = (self.status, Json(body)).into_response();
         if self.status == StatusCode::UNAUTHORIZED {
             response
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        if let Some(secs) = self.retry_after_secs {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
         response
     }
+}
+
+/// A JSON request body; a malformed one is a 400 (413 when too large) in the API's error shape.
+pub(crate) struct Body<T>(pub(crate) T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
+        match Json::<T>::from_request(request, state).await {
+            Ok(Json(value)) => Ok(Self(value)),
+            Err(rejection) => Err(rejected(rejection.status(), &rejection.body_text(), || {
+                matches!(rejection, JsonRejection::MissingJsonContentType(_))
+            })),
+        }
+    }
+}
+
+/// Query parameters; malformed ones are a 400 in the API's error shape.
+pub(crate) struct Params<T>(pub(crate) T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Params<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        axum::extract::Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|q| Self(q.0))
+            .map_err(|r| rejected(r.status(), &r.body_text(), || false))
+    }
+}
+
+/// Path segments; malformed ones are a 400 in the API's error shape.
+pub(crate) struct Segments<T>(pub(crate) T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Segments<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        axum::extract::Path::<T>::from_request_parts(parts, state)
+            .await
+            .map(|p| Self(p.0))
+            .map_err(|r| rejected(r.status(), &r.body_text(), || false))
+    }
+}
+
+fn rejected(status: StatusCode, text: &str, wrong_type: impl FnOnce() -> bool) -> ApiError {
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        return ApiError::new(status, "the request body is too large");
+    }
+    if wrong_type() {
+        return ApiError::bad_request("the body must be JSON (Content-Type: application/json)");
+    }
+    if status.is_server_error() {
+        return ApiError::internal(status, "reading the request", &text);
+    }
+    ApiError::bad_request(text)
 }

@@ -1,20 +1,99 @@
 //! The HTTP side of the tokens: middleware that admits a request to a read or an admin route,
 //! and hands the handler the [`Caller`] it authenticated as.
+//!
+//! A failed authentication (a token that matches none) is logged with the caller's address,
+//! never with the secret presented, and counted per address: after [`MAX_FAILURES`] within
+//! [`FAILURE_WINDOW`] that address gets 429 for the rest of the window, whatever it presents.
+//! The counter holds at most [`MAX_TRACKED_ADDRESSES`] addresses (IPv6 by /64, the block one
+//! host usually owns), dropping the oldest when full.
 
-use std::sync::Arc;
+use std::{
+    collections::HashMap,
+    net::{IpAddr, SocketAddr},
+    sync::{Arc, Mutex, PoisonError},
+    time::{Duration, Instant},
+};
 
 use axum::{
-    extract::{Request, State},
+    extract::{ConnectInfo, Request, State},
     http::header,
     middleware::Next,
     response::Response,
 };
 
 use crate::{
-    AdminState,
+    Server,
     auth::{Caller, Scope},
     error::ApiError,
 };
+
+/// Failed authentications from one address before it is refused for the window.
+pub const MAX_FAILURES: u32 = 5;
+/// How long failures are counted (from the first), and an address refused after too many.
+pub const FAILURE_WINDOW: Duration = Duration::from_secs(60);
+/// Addresses whose failures are remembered at most.
+pub const MAX_TRACKED_ADDRESSES: usize = 4096;
+
+/// Failed authentications per address, bounded.
+#[derive(Debug, Default)]
+pub(crate) struct FailureThrottle {
+    failures: Mutex<HashMap<IpAddr, (u32, Instant)>>,
+}
+
+/// The key an address is counted under: an IPv6 address by its /64.
+fn key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let mut segments = v6.segments();
+                segments[4..].fill(0);
+                IpAddr::V6(segments.into())
+            }
+        },
+        v4 => v4,
+    }
+}
+
+impl FailureThrottle {
+    /// How long `ip` is still refused, if it is.
+    pub(crate) fn refused_for(&self, ip: IpAddr) -> Option<Duration> {
+        let failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
+        let (count, since) = failures.get(&key(ip))?;
+        let left = FAILURE_WINDOW.checked_sub(since.elapsed())?;
+        (*count >= MAX_FAILURES).then_some(left)
+    }
+
+    /// Counts a failed authentication from `ip`.
+    pub(crate) fn failed(&self, ip: IpAddr) {
+        let mut failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        if failures.len() >= MAX_TRACKED_ADDRESSES && !failures.contains_key(&key(ip)) {
+            failures.retain(|_, (_, since)| now.duration_since(*since) < FAILURE_WINDOW);
+            if failures.len() >= MAX_TRACKED_ADDRESSES
+                && let Some(oldest) = failures
+                    .iter()
+                    .min_by_key(|(_, (_, since))| *since)
+                    .map(|(ip, _)| *ip)
+            {
+                failures.remove(&oldest);
+            }
+        }
+        let entry = failures.entry(key(ip)).or_insert((0, now));
+        if now.duration_since(entry.1) >= FAILURE_WINDOW {
+            *entry = (0, now);
+        }
+        entry.0 = entry.0.saturating_add(1);
+    }
+
+    #[cfg(test)]
+    fn tracked(&self) -> usize {
+        self.failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+}
 
 fn bearer(request: &Request) -> Option<&str> {
     let value = request
@@ -26,25 +105,47 @@ fn bearer(request: &Request) -> Option<&str> {
     kind.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
-fn admit(state: &AdminState, request: &Request, needed: Scope) -> Result<Option<Caller>, ApiError> {
+fn admit(state: &Server, request: &Request, needed: Scope) -> Result<Option<Caller>, ApiError> {
     if state.tokens.is_empty() {
-        // Bound to loopback only (checked at start); reads are open, but a change needs a
-        // token's name for the audit trail.
+        // Bound to loopback only (checked at start); metadata reads are open, but payloads
+        // and changes need a token's name for the audit trail.
         return match needed {
             Scope::Read => Ok(None),
-            Scope::Admin => Err(ApiError::forbidden(
-                "no admin token is configured: operator actions need one (its name is the \
-                 audit trail's actor)",
+            Scope::ReadPayload | Scope::Admin => Err(ApiError::forbidden(
+                "no token is configured: this call needs one (its name is the audit trail's \
+                 actor)",
             )),
         };
+    }
+    let peer = request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip());
+    if let Some(ip) = peer
+        && let Some(left) = state.throttle.refused_for(ip)
+    {
+        return Err(ApiError::too_many(
+            "too many failed authentications from this address; try again later",
+            left.as_secs().max(1),
+        ));
     }
     let presented = bearer(request).ok_or_else(|| {
         ApiError::unauthorized("an Authorization: Bearer <token> header is required")
     })?;
-    let caller = state
-        .tokens
-        .authenticate(presented)
-        .ok_or_else(|| ApiError::unauthorized("the token matches no configured token"))?;
+    let Some(caller) = state.tokens.authenticate(presented) else {
+        // The address and the path only: the presented secret may be a real one mistyped.
+        tracing::warn!(
+            peer = %peer.map_or_else(|| "-".to_owned(), |ip| ip.to_string()),
+            path = %request.uri().path(),
+            "admin API: authentication failed (the token matches no configured token)"
+        );
+        if let Some(ip) = peer {
+            state.throttle.failed(ip);
+        }
+        return Err(ApiError::unauthorized(
+            "the token matches no configured token",
+        ));
+    };
     if caller.scope < needed {
         return Err(ApiError::forbidden(format!(
             "the token {:?} has the {} scope; this call needs {needed}",
@@ -55,7 +156,7 @@ fn admit(state: &AdminState, request: &Request, needed: Scope) -> Result<Option<
 }
 
 async fn guard(
-    state: Arc<AdminState>,
+    state: Arc<Server>,
     needed: Scope,
     mut request: Request,
     next: Next,
@@ -66,9 +167,9 @@ async fn guard(
     Ok(next.run(request).await)
 }
 
-/// Admits requests with a read or admin token (any request when no token is configured).
+/// Admits requests with any token (any request when no token is configured).
 pub(crate) async fn read(
-    State(state): State<Arc<AdminState>>,
+    State(state): State<Arc<Server>>,
     request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
@@ -77,9 +178,42 @@ pub(crate) async fn read(
 
 /// Admits requests with an admin token.
 pub(crate) async fn admin(
-    State(state): State<Arc<AdminState>>,
+    State(state): State<Arc<Server>>,
     request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
     guard(state, Scope::Admin, request, next).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_address_is_refused_after_repeated_failures_and_others_are_not() {
+        let throttle = FailureThrottle::default();
+        let attacker: IpAddr = "2001:db8::1".parse().expect("ip");
+        for _ in 0..MAX_FAILURES - 1 {
+            throttle.failed(attacker);
+        }
+        assert_eq!(throttle.refused_for(attacker), None);
+        throttle.failed(attacker);
+        assert!(throttle.refused_for(attacker).is_some());
+        // Same /64: the same host.
+        assert!(
+            throttle
+                .refused_for("2001:db8::ffff".parse().expect("ip"))
+                .is_some()
+        );
+        assert_eq!(throttle.refused_for("192.0.2.1".parse().expect("ip")), None);
+    }
+
+    #[test]
+    fn the_counter_is_bounded() {
+        let throttle = FailureThrottle::default();
+        for n in 0..(MAX_TRACKED_ADDRESSES as u32 + 100) {
+            throttle.failed(IpAddr::V4(n.into()));
+        }
+        assert!(throttle.tracked() <= MAX_TRACKED_ADDRESSES);
+    }
 }

@@ -1,7 +1,14 @@
 //! Probes and metrics: `/healthz` (the process answers), `/readyz` (PostgreSQL and RabbitMQ
-//! answer within a short timeout) and `/metrics` (the Prometheus exporter's text).
+//! answered the last check) and `/metrics` (the Prometheus exporter's text).
+//!
+//! `/readyz` answers from the latest result of a background check that runs every
+//! `readiness_interval` (one query and one short broker connection per check), never from a
+//! check of its own: however often it is called, and unauthenticated, it opens no connection.
 
-use std::sync::Arc;
+use std::{
+    sync::{Arc, RwLock},
+    time::Duration,
+};
 
 use axum::{
     Json,
@@ -9,10 +16,11 @@ use axum::{
     http::{StatusCode, header},
     response::{IntoResponse, Response},
 };
+use chrono::{DateTime, Utc};
 use rabbit_inbox::Broker;
 use serde::Serialize;
 
-use crate::{AdminState, BROKER_TIMEOUT, error::ApiError};
+use crate::{BROKER_TIMEOUT, Server, error::ApiError};
 
 /// The process is up. Needs no token.
 #[utoipa::path(get, path = "/healthz", tag = "health",
@@ -21,70 +29,145 @@ pub(crate) async fn healthz() -> &'static str {
     "ok\n"
 }
 
-/// One dependency's check.
-#[derive(Debug, Serialize)]
+/// One dependency's last check. The error is generic; its text is in the server's log.
+#[derive(Clone, Debug, Serialize)]
 struct Check {
     ok: bool,
-    error: Option<String>,
+    error: Option<&'static str>,
 }
 
 impl Check {
     fn of<E: std::fmt::Display>(
+        what: &str,
         result: Result<Result<(), E>, tokio::time::error::Elapsed>,
     ) -> Self {
         let error = match result {
             Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(e.to_string()),
-            Err(_) => Some(format!("no answer within {BROKER_TIMEOUT:?}")),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "readiness: {what} is unreachable");
+                Some("unreachable")
+            }
+            Err(_) => {
+                tracing::warn!("readiness: {what} did not answer within {BROKER_TIMEOUT:?}");
+                Some("no answer in time")
+            }
         };
         Self {
             ok: error.is_none(),
             error,
         }
     }
+
+    const fn pending() -> Self {
+        Self {
+            ok: false,
+            error: Some("not checked yet"),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Snapshot {
+    database: Check,
+    broker: Check,
+    /// When the checks ran.
+    checked_at: Option<DateTime<Utc>>,
+}
+
+/// The latest readiness check, shared between the background task and `/readyz`.
+#[derive(Debug)]
+pub(crate) struct Readiness {
+    latest: RwLock<Snapshot>,
+}
+
+impl Default for Readiness {
+    fn default() -> Self {
+        Self {
+            latest: RwLock::new(Snapshot {
+                database: Check::pending(),
+                broker: Check::pending(),
+                checked_at: None,
+            }),
+        }
+    }
+}
+
+impl Readiness {
+    fn latest(&self) -> Snapshot {
+        self.latest
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set(&self, snapshot: Snapshot) {
+        *self
+            .latest
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = snapshot;
+    }
+}
+
+/// Checks PostgreSQL and RabbitMQ every `interval`, forever (the server aborts it).
+pub(crate) async fn monitor(server: Arc<Server>, interval: Duration) {
+    let mut ticks = tokio::time::interval(interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let database = tokio::time::timeout(BROKER_TIMEOUT, async {
+            sqlx::query("SELECT 1")
+                .execute(server.ops.pool())
+                .await
+                .map(drop)
+        });
+        let broker = tokio::time::timeout(BROKER_TIMEOUT, async {
+            let broker = Broker::connect(&server.amqp_url, "inbox-admin readiness").await?;
+            broker.close().await;
+            Ok::<(), rabbit_inbox::BrokerError>(())
+        });
+        let (database, broker) = tokio::join!(database, broker);
+        server.readiness.set(Snapshot {
+            database: Check::of("PostgreSQL", database),
+            broker: Check::of("RabbitMQ", broker),
+            checked_at: Some(Utc::now()),
+        });
+    }
 }
 
 #[derive(Debug, Serialize)]
-struct Readiness {
-    database: Check,
-    broker: Check,
+struct Readyz {
+    #[serde(flatten)]
+    snapshot: Snapshot,
+    /// The server was started with `--insecure-http` on an address other machines can reach:
+    /// tokens and data cross the network in clear text.
+    insecure_http: bool,
 }
 
-/// PostgreSQL answers a trivial query and RabbitMQ accepts a connection, each within a short
-/// timeout; 503 with the failing check otherwise. Needs no token.
+/// PostgreSQL answered a trivial query and RabbitMQ accepted a connection at the last
+/// background check (every few seconds); 503 with the failing check otherwise. Also says
+/// whether the server runs with `--insecure-http`. Needs no token.
 #[utoipa::path(get, path = "/readyz", tag = "health",
     responses((status = 200, description = "both reachable"),
-        (status = 503, description = "a dependency is unreachable")))]
-pub(crate) async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
-    let database = tokio::time::timeout(BROKER_TIMEOUT, async {
-        sqlx::query("SELECT 1")
-            .execute(state.ops.pool())
-            .await
-            .map(drop)
-    });
-    let broker = tokio::time::timeout(BROKER_TIMEOUT, async {
-        let broker = Broker::connect(&state.amqp_url, "inbox-admin readiness").await?;
-        broker.close().await;
-        Ok::<(), rabbit_inbox::BrokerError>(())
-    });
-    let (database, broker) = tokio::join!(database, broker);
-    let readiness = Readiness {
-        database: Check::of(database),
-        broker: Check::of(broker),
-    };
-    let code = if readiness.database.ok && readiness.broker.ok {
+        (status = 503, description = "a dependency is unreachable, or not checked yet")))]
+pub(crate) async fn readyz(State(server): State<Arc<Server>>) -> Response {
+    let snapshot = server.readiness.latest();
+    let code = if snapshot.database.ok && snapshot.broker.ok {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (code, Json(readiness)).into_response()
+    let body = Readyz {
+        snapshot,
+        insecure_http: server.insecure_http,
+    };
+    (code, Json(body)).into_response()
 }
 
 /// The Prometheus exposition of this process's metrics.
 #[utoipa::path(get, path = "/metrics", tag = "health", security(("bearer" = [])),
     responses((status = 200, description = "Prometheus text format"),
         (status = 503, description = "no metrics recorder in this process")))]
-pub(crate) async fn metrics(State(state): State<Arc<AdminState>>) -> Result<Response, ApiError> {
+pub(crate) async fn metrics(State(state): State<Arc<Server>>) -> Result<Response, ApiError> {
     let handle = state.metrics.as_ref().ok_or_else(|| {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,

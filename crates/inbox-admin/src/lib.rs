@@ -5,10 +5,21 @@
 //! page at `/`. Every endpoint is glue over [`rabbit_inbox::ops::Operations`]: the operations
 //! are written once, in the library, and the CLI and this server only front them.
 //!
-//! **Access:** read endpoints need a read or admin token, operator actions an admin token and a
-//! `reason`; the token's *name* is the audit trail's actor. Without any token the server serves
-//! reads only and refuses to listen on a non-loopback address ([`Tokens::check_bind`]).
-//! Probes, the OpenAPI document and the page's static assets need no token.
+//! **Access:** read endpoints need a token of any scope (`read`, `read:payload`, `admin`);
+//! messages' payloads, headers and error texts need `read:payload` (or `admin`), and each such
+//! read is audited under the token's name; operator actions need an admin token and a
+//! `reason`, and the token's *name* is the audit trail's actor. Without any token the server
+//! serves metadata reads only and refuses to listen on a non-loopback address
+//! ([`Tokens::check_bind`]). Probes, the OpenAPI document and the page's static assets need no
+//! token.
+//!
+//! **Exposure:** a request is answered only when its `Host` is the bind address or an allowed
+//! host (DNS rebinding), a non-loopback address needs TLS or an explicit `insecure_http`, and
+//! the listener bounds connections and how long a client may take to send a request
+//! ([`ServeOptions`]). Responses carry `X-Content-Type-Options: nosniff`, API responses
+//! `Cache-Control: no-store`, the dashboard a Content-Security-Policy without inline script.
+//! A database or broker failure is logged under the request's id (`X-Request-Id`) and answered
+//! with a generic message citing it.
 
 mod api;
 mod auth;
@@ -16,10 +27,17 @@ mod dashboard;
 mod error;
 mod guard;
 mod health;
+mod host;
+mod listen;
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{future::Future, ops::Deref, sync::Arc, time::Duration};
 
-use axum::{Json, Router, middleware, routing::get};
+use axum::{
+    Json, Router,
+    http::{HeaderValue, header},
+    middleware,
+    routing::get,
+};
 pub use metrics_exporter_prometheus::PrometheusHandle;
 use rabbit_inbox::{RetryPolicy, Topology, ops::Operations};
 use tokio::net::TcpListener;
@@ -29,8 +47,13 @@ use utoipa::{
 };
 use utoipa_axum::{router::OpenApiRouter, routes};
 
-pub use auth::{Caller, MIN_SECRET_LEN, Scope, TokenError, Tokens};
-pub use error::ApiError;
+pub use auth::{Caller, MIN_SECRET_BITS, MIN_SECRET_LEN, Scope, TokenError, Tokens, secret_bits};
+pub use error::{ApiError, REQUEST_ID_HEADER};
+pub use guard::{FAILURE_WINDOW, MAX_FAILURES, MAX_TRACKED_ADDRESSES};
+pub use listen::{
+    DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_READINESS_INTERVAL, ServeOptions,
+    TlsFiles,
+};
 
 /// How long a probe or a request waits for RabbitMQ (and `/readyz` for PostgreSQL).
 pub const BROKER_TIMEOUT: Duration = Duration::from_secs(3);
@@ -56,8 +79,10 @@ pub struct AdminState {
     info(
         title = "rabbit-inbox admin API",
         description = "Inspection and audited operator actions on a rabbit-inbox inbox. Read \
-            endpoints need a read or admin bearer token, actions an admin token and a reason; \
-            the token's name is recorded as the actor."
+            endpoints need a bearer token of any scope (read, read:payload, admin); payloads, \
+            headers and error texts are returned to read:payload and admin tokens only, each \
+            read audited; actions need an admin token and a reason. The token's name is \
+            recorded as the actor. Errors are JSON: {\"error\": ..., \"request_id\": ...}."
     ),
     modifiers(&BearerAuth),
     tags((name = "health"), (name = "inspection"), (name = "actions"))
@@ -76,8 +101,24 @@ impl Modify for BearerAuth {
     }
 }
 
+/// What the handlers share: the operator's [`AdminState`] and what the server keeps.
+pub(crate) struct Server {
+    admin: AdminState,
+    throttle: guard::FailureThrottle,
+    readiness: health::Readiness,
+    insecure_http: bool,
+}
+
+impl Deref for Server {
+    type Target = AdminState;
+
+    fn deref(&self) -> &AdminState {
+        &self.admin
+    }
+}
+
 /// The documented routes, each group behind its guard.
-fn api_routes(state: &Arc<AdminState>) -> OpenApiRouter<Arc<AdminState>> {
+fn api_routes(state: &Arc<Server>) -> OpenApiRouter<Arc<Server>> {
     let open = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(health::healthz))
         .routes(routes!(health::readyz));
@@ -98,22 +139,59 @@ fn api_routes(state: &Arc<AdminState>) -> OpenApiRouter<Arc<AdminState>> {
     open.merge(read).merge(admin)
 }
 
-/// The whole application: API, OpenAPI document and dashboard.
-pub fn router(state: AdminState) -> Router {
-    let state = Arc::new(state);
-    let (api, openapi) = api_routes(&state).split_for_parts();
+/// Headers every response gets unless it sets its own: no sniffing, no caching, no framing,
+/// and nothing a browser may load or run from an API response.
+fn security_headers(app: Router, tls: bool) -> Router {
+    use tower_http::set_header::SetResponseHeaderLayer as Set;
+    let app = app
+        .layer(Set::overriding(
+            header::X_CONTENT_TYPE_OPTIONS,
+            HeaderValue::from_static("nosniff"),
+        ))
+        .layer(Set::if_not_present(
+            header::CACHE_CONTROL,
+            HeaderValue::from_static("no-store"),
+        ))
+        .layer(Set::if_not_present(
+            header::CONTENT_SECURITY_POLICY,
+            HeaderValue::from_static("default-src 'none'; frame-ancestors 'none'"),
+        ))
+        .layer(Set::if_not_present(
+            header::X_FRAME_OPTIONS,
+            HeaderValue::from_static("DENY"),
+        ));
+    if tls {
+        app.layer(Set::if_not_present(
+            header::STRICT_TRANSPORT_SECURITY,
+            HeaderValue::from_static("max-age=31536000"),
+        ))
+    } else {
+        app
+    }
+}
+
+/// The whole application: API, OpenAPI document and dashboard, behind the Host check.
+fn router(server: &Arc<Server>, hosts: host::AllowedHosts, options: &ServeOptions) -> Router {
+    let (api, openapi) = api_routes(server).split_for_parts();
     let openapi = Arc::new(openapi);
-    api.route(
-        "/api/v1/openapi.json",
-        get(move || {
-            let openapi = openapi.clone();
-            async move { Json(openapi.as_ref().clone()) }
-        }),
-    )
-    .route("/", get(dashboard::index))
-    .route("/assets/app.js", get(dashboard::script))
-    .route("/assets/app.css", get(dashboard::style))
-    .with_state(state)
+    let app = api
+        .route(
+            "/api/v1/openapi.json",
+            get(move || {
+                let openapi = openapi.clone();
+                async move { Json(openapi.as_ref().clone()) }
+            }),
+        )
+        .route("/", get(dashboard::index))
+        .route("/assets/app.js", get(dashboard::script))
+        .route("/assets/app.css", get(dashboard::style))
+        .fallback(|| async { ApiError::not_found("no such page or endpoint") })
+        .with_state(server.clone())
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+            options.header_read_timeout,
+        ))
+        .layer(middleware::from_fn_with_state(Arc::new(hosts), host::check));
+    security_headers(app, options.tls.is_some()).layer(middleware::from_fn(error::request_id))
 }
 
 /// Why the server stopped.
@@ -122,21 +200,57 @@ pub enum ServeError {
     /// The address may not be bound without tokens.
     #[error(transparent)]
     Tokens(#[from] TokenError),
+    /// The listening options are refused (TLS, allowed hosts, limits).
+    #[error("{0}")]
+    Config(String),
     /// Listening or serving failed.
     #[error("admin server: {0}")]
     Io(#[from] std::io::Error),
 }
 
-/// Serves `state` on `listener` until `shutdown` completes. Refuses a non-loopback listener
-/// when no token is configured.
+/// Aborts the background task when the server stops.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Serves `state` on `listener` as `options` say until `shutdown` completes. Refuses what
+/// [`ServeOptions::validate`] refuses.
 pub async fn serve(
     listener: TcpListener,
     state: AdminState,
+    options: ServeOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    state.tokens.check_bind(listener.local_addr()?)?;
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await?;
-    Ok(())
+    let addr = listener.local_addr()?;
+    let hosts = options.check(addr, &state.tokens)?;
+    let tls = options
+        .tls
+        .as_ref()
+        .map(listen::tls_config)
+        .transpose()?
+        .map(tokio_rustls::TlsAcceptor::from);
+    let insecure_http = options.serves_insecure_http(addr);
+    if insecure_http {
+        tracing::warn!(
+            %addr,
+            "admin server: serving clear-text HTTP on an address other machines can reach \
+             (--insecure-http): tokens and messages cross the network unencrypted"
+        );
+    }
+    let server = Arc::new(Server {
+        admin: state,
+        throttle: guard::FailureThrottle::default(),
+        readiness: health::Readiness::default(),
+        insecure_http,
+    });
+    let _monitor = AbortOnDrop(tokio::spawn(health::monitor(
+        server.clone(),
+        options.readiness_interval,
+    )));
+    let app = router(&server, hosts, &options);
+    listen::run(listener, app, &options, tls, shutdown).await
 }

@@ -218,9 +218,14 @@ async fn the_api_refuses_the_unauthorized_and_audits_the_authorized() {
     // Probes need no token; metrics need a read token.
     let (code, _) = get(&http, &format!("{b}/healthz"), None).await;
     assert_eq!(code, StatusCode::OK);
-    let (code, ready) = get(&http, &format!("{b}/readyz"), None).await;
-    assert_eq!(code, StatusCode::OK, "{ready}");
-    assert_eq!(ready["database"]["ok"], true);
+    let mut ready = Value::Null;
+    util::wait_for("the first readiness check", async || {
+        ready = get(&http, &format!("{b}/readyz"), None).await.1;
+        !ready["checked_at"].is_null()
+    })
+    .await;
+    assert_eq!(ready["database"]["ok"], true, "{ready}");
+    assert_eq!(ready["insecure_http"], false);
     assert_eq!(ready["broker"]["ok"], true);
     let (code, _) = get(&http, &format!("{b}/metrics"), None).await;
     assert_eq!(code, StatusCode::UNAUTHORIZED);
@@ -253,7 +258,7 @@ async fn readiness_fails_when_the_broker_is_unreachable_and_open_servers_stay_lo
         tokens: Tokens::none(),
         metrics: None,
     };
-    let e = inbox_admin::serve(listener, state, std::future::ready(()))
+    let e = inbox_admin::serve(listener, state, Default::default(), std::future::ready(()))
         .await
         .expect_err("a non-loopback address without tokens is refused");
     assert!(e.to_string().contains("without tokens"), "{e}");
@@ -283,8 +288,18 @@ async fn readiness_fails_when_the_broker_is_unreachable_and_open_servers_stay_lo
         tokens: Tokens::none(),
         metrics: None,
     };
-    let server = tokio::spawn(inbox_admin::serve(listener, state, std::future::pending()));
-    let (code, ready) = get(&http, &format!("http://{addr}/readyz"), None).await;
+    let server = tokio::spawn(inbox_admin::serve(
+        listener,
+        state,
+        Default::default(),
+        std::future::pending(),
+    ));
+    let (mut code, mut ready) = (StatusCode::OK, Value::Null);
+    util::wait_for("the first readiness check", async || {
+        (code, ready) = get(&http, &format!("http://{addr}/readyz"), None).await;
+        !ready["checked_at"].is_null()
+    })
+    .await;
     assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE, "{ready}");
     assert_eq!(ready["database"]["ok"], true);
     assert_eq!(ready["broker"]["ok"], false);

@@ -25,7 +25,7 @@ impl ActorArgs {
         };
         let actor = Actor::new(name, reason)?;
         Ok(match &self.ticket {
-            Some(t) => actor.with_ticket(t),
+            Some(t) => actor.with_ticket(t)?,
             None => actor,
         })
     }

@@ -125,7 +125,7 @@ impl CleanupArgs {
                 self.actor.clone().unwrap_or_default(),
                 self.reason.clone().unwrap_or_default(),
             )?;
-            request.force = Some(actor.with_ticket(self.ticket.clone().unwrap_or_default()));
+            request.force = Some(actor.with_ticket(self.ticket.clone().unwrap_or_default())?);
         }
         Ok(request)
     }

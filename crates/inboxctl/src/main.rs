@@ -181,12 +181,11 @@ enum Command {
     Grants(grants::GrantsArgs),
     /// The admin HTTP API and dashboard: /healthz, /readyz, /metrics, JSON inspection and
     /// operator actions under /api/v1 (OpenAPI at /api/v1/openapi.json), the dashboard at /.
-    /// Reads need a read or admin bearer token, actions an admin token and a reason (audited
-    /// under the token's name). Without tokens only a loopback address may be bound, and
-    /// actions are refused.
-    #[command(after_help = "Example:\n  \
-        INBOX_ADMIN_READ_TOKENS=grafana=<secret> INBOX_ADMIN_ADMIN_TOKENS=alice=<secret> \\\n    \
-        inboxctl serve --listen 0.0.0.0:9480 --schema billing --queue billing.commands")]
+    /// Reads need a bearer token (payloads the read:payload or admin scope, audited), actions an
+    /// admin token and a reason (audited under the token's name). Without tokens only a
+    /// loopback address may be bound, payloads are hidden and actions refused. A non-loopback
+    /// address needs TLS (--tls-cert, --tls-key) or --insecure-http.
+    #[command(after_help = serve::SERVE_HELP)]
     Serve(serve::ServeArgs),
     /// Check a live installation against the inbox review checklist: schema (migrations
     /// current, primary key with consumer_name, indexes, validated status check), the broker

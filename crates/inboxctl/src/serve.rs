@@ -4,28 +4,81 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use anyhow::Context;
 use clap::Args;
-use inbox_admin::{AdminState, Scope, Tokens};
+use inbox_admin::{AdminState, Scope, ServeOptions, TlsFiles, Tokens};
 use rabbit_inbox::{SchemaName, ops::Operations, telemetry::InboxSampler};
 
 use crate::{Servers, connect, report::QueueArgs};
 
 /// Variable holding the read tokens, `name=token` pairs separated by commas.
 const READ_TOKENS: &str = "INBOX_ADMIN_READ_TOKENS";
+/// Variable holding the read:payload tokens, `name=token` pairs separated by commas.
+const PAYLOAD_TOKENS: &str = "INBOX_ADMIN_PAYLOAD_TOKENS";
 /// Variable holding the admin tokens, `name=token` pairs separated by commas.
 const ADMIN_TOKENS: &str = "INBOX_ADMIN_ADMIN_TOKENS";
 
+/// How to run the admin server safely.
+pub(crate) const SERVE_HELP: &str = "\
+Running it safely:
+  - Listen on loopback (the default) unless other machines must reach it. A non-loopback
+    address needs tokens and TLS (--tls-cert/--tls-key), or --insecure-http, which serves
+    clear text: tokens and message contents cross the network readable by anyone on the
+    path. It is logged as a warning at start and reported on /readyz as insecure_http.
+  - Tokens (INBOX_ADMIN_READ_TOKENS, INBOX_ADMIN_PAYLOAD_TOKENS, INBOX_ADMIN_ADMIN_TOKENS,
+    or --tokens-file with lines `SCOPE NAME=TOKEN`) carry at least 128 bits: generate each
+    with `openssl rand -hex 32`. Scopes: `read` sees metadata (statuses, counts, ids, error
+    codes); `read:payload` also payloads, headers and error texts, each read audited as
+    payload_read under the token's name; `admin` also runs audited actions, and implies
+    read:payload. Without any token only loopback is served, metadata only, no actions.
+    Keep the tokens file readable by its owner only (a warning says otherwise). Repeated
+    failed authentications from one address are logged and answered 429 for a minute.
+  - Only requests addressed to the bind address (on loopback also localhost) or to an
+    --allowed-host are answered (421 otherwise): this defeats DNS rebinding. Behind a proxy
+    or on 0.0.0.0, list the names clients use.
+  - A client must send its request head within --header-read-timeout-secs; at most
+    --max-connections are served at once.
+
+Example:
+  INBOX_ADMIN_READ_TOKENS=grafana=$(openssl rand -hex 32) \\
+  INBOX_ADMIN_ADMIN_TOKENS=alice=$(openssl rand -hex 32) \\
+    inboxctl serve --listen 0.0.0.0:9480 --tls-cert admin.pem --tls-key admin-key.pem \\
+    --allowed-host admin.example.com --schema billing --queue billing.commands";
+
 #[derive(Args)]
 pub(crate) struct ServeArgs {
-    /// Address to listen on. Without any token only a loopback address is accepted.
+    /// Address to listen on. Without any token only a loopback address is accepted; any
+    /// other address needs TLS or --insecure-http.
     #[arg(long, default_value = "127.0.0.1:9480")]
     listen: SocketAddr,
+    /// Serve HTTPS with this certificate chain (PEM, leaf first); needs --tls-key.
+    #[arg(long, value_name = "PEM", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "PEM", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Serve clear-text HTTP on a non-loopback address anyway: tokens and messages cross the
+    /// network unencrypted. For a trusted network only; logged and reported on /readyz.
+    #[arg(long, conflicts_with = "tls_cert")]
+    insecure_http: bool,
+    /// A host name (or host:port) requests may be addressed to besides the bind address (and
+    /// localhost on loopback); repeatable. Requests for any other Host get 421.
+    #[arg(long = "allowed-host", value_name = "HOST")]
+    allowed_hosts: Vec<String>,
+    /// Seconds a client has to send a request's head (and finish the TLS handshake), and
+    /// then its body.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=300))]
+    header_read_timeout_secs: u64,
+    /// Connections served at once; more are closed at accept.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    max_connections: u64,
     /// PostgreSQL schema of the inbox.
     #[arg(long, env = "INBOX_SCHEMA", default_value = "order_service")]
     schema: String,
     #[command(flatten)]
     queues: QueueArgs,
-    /// File of tokens, one `SCOPE NAME=TOKEN` a line (scope `read` or `admin`), added to those
-    /// in INBOX_ADMIN_READ_TOKENS and INBOX_ADMIN_ADMIN_TOKENS (`name=token,name=token`).
+    /// File of tokens, one `SCOPE NAME=TOKEN` a line (scope `read`, `read:payload` or
+    /// `admin`), added to those in INBOX_ADMIN_READ_TOKENS, INBOX_ADMIN_PAYLOAD_TOKENS and
+    /// INBOX_ADMIN_ADMIN_TOKENS (`name=token,name=token`). Should be readable by its owner
+    /// only.
     #[arg(long)]
     tokens_file: Option<PathBuf>,
     /// Sample this consumer's inbox gauges (open, stale and parked rows, oldest unprocessed
@@ -44,12 +97,17 @@ pub(crate) struct ServeArgs {
 
 fn tokens(args: &ServeArgs) -> anyhow::Result<Tokens> {
     let mut tokens = Tokens::none();
-    for (scope, var) in [(Scope::Read, READ_TOKENS), (Scope::Admin, ADMIN_TOKENS)] {
+    for (scope, var) in [
+        (Scope::Read, READ_TOKENS),
+        (Scope::ReadPayload, PAYLOAD_TOKENS),
+        (Scope::Admin, ADMIN_TOKENS),
+    ] {
         if let Ok(pairs) = std::env::var(var) {
             tokens.add_pairs(scope, &pairs).with_context(|| var)?;
         }
     }
     if let Some(path) = &args.tokens_file {
+        warn_if_shared(path);
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         tokens
@@ -59,10 +117,47 @@ fn tokens(args: &ServeArgs) -> anyhow::Result<Tokens> {
     Ok(tokens)
 }
 
+/// Warns when other users may read the tokens file.
+fn warn_if_shared(path: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt as _;
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.permissions().mode() & 0o077 != 0
+    {
+        tracing::warn!(
+            path = %path.display(),
+            mode = format!("{:o}", meta.permissions().mode() & 0o777),
+            "the tokens file is readable or writable by other users: chmod 600 it"
+        );
+        eprintln!(
+            "warning: {} is accessible to other users (mode {:o}); chmod 600 it",
+            path.display(),
+            meta.permissions().mode() & 0o777
+        );
+    }
+}
+
+fn options(args: &ServeArgs) -> ServeOptions {
+    ServeOptions {
+        tls: match (&args.tls_cert, &args.tls_key) {
+            (Some(cert), Some(key)) => Some(TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+            }),
+            _ => None,
+        },
+        insecure_http: args.insecure_http,
+        allowed_hosts: args.allowed_hosts.clone(),
+        header_read_timeout: Duration::from_secs(args.header_read_timeout_secs),
+        max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+        ..ServeOptions::default()
+    }
+}
+
 pub(crate) async fn run(servers: &Servers, args: ServeArgs) -> anyhow::Result<ExitCode> {
     let tokens = tokens(&args)?;
+    let options = options(&args);
     // Refused before anything is connected: the error is about the command line.
-    tokens.check_bind(args.listen)?;
+    options.validate(args.listen, &tokens)?;
     let metrics = crate::telemetry::metrics_recorder()?;
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
     let schema = SchemaName::new(&args.schema)?;
@@ -85,10 +180,16 @@ pub(crate) async fn run(servers: &Servers, args: ServeArgs) -> anyhow::Result<Ex
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
     eprintln!(
-        "admin API and dashboard on http://{} ({} read, {} admin token(s)); Ctrl-C or SIGTERM \
-         to stop",
+        "admin API and dashboard on {}://{} ({} read, {} read:payload, {} admin token(s)); \
+         Ctrl-C or SIGTERM to stop",
+        if options.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        },
         listener.local_addr()?,
         tokens.count(Scope::Read),
+        tokens.count(Scope::ReadPayload),
         tokens.count(Scope::Admin),
     );
     let state = AdminState {
@@ -98,7 +199,7 @@ pub(crate) async fn run(servers: &Servers, args: ServeArgs) -> anyhow::Result<Ex
         tokens,
         metrics: Some(metrics),
     };
-    inbox_admin::serve(listener, state, rabbit_inbox::shutdown_signal()).await?;
+    inbox_admin::serve(listener, state, options, rabbit_inbox::shutdown_signal()).await?;
     samplers.abort_all();
     Ok(ExitCode::SUCCESS)
 }

@@ -77,6 +77,7 @@ fn actor() -> Actor {
     Actor::new("alice", "retry tier deleted by mistake")
         .expect("actor")
         .with_ticket("INC-7")
+        .expect("ticket")
 }
 
 async fn recover(env: &TestEnv, request: &RecoverRequest) -> RecoveryReport {

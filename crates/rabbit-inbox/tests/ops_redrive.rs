@@ -73,6 +73,7 @@ fn operator() -> Actor {
     Actor::new("alice", "fix for invoice rounding deployed")
         .expect("valid actor")
         .with_ticket("INC-7")
+        .expect("ticket")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

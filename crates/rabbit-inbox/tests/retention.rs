@@ -238,7 +238,8 @@ async fn an_unsafe_window_is_refused_at_start_up_and_by_cleanup_unless_forced() 
     req.force = Some(
         Actor::new("alice", "disk full, replays disabled")
             .expect("actor")
-            .with_ticket("INC-7"),
+            .with_ticket("INC-7")
+            .expect("ticket"),
     );
     let report = ops.cleanup(&req, &NoProgress).await.expect("forced");
     assert!(report.forced);

@@ -9,7 +9,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use inbox_admin::{AdminState, PrometheusHandle, Scope, Tokens};
+use inbox_admin::{AdminState, PrometheusHandle, Scope, ServeOptions, Tokens};
 use rabbit_inbox::{
     Broker, Consumer, ConsumerConfig, Handler, HandlerError, InboxMessage, OutgoingMessage,
     QueueDepths, RetryPolicy, SchemaName, Topology, ops::Operations,
@@ -17,8 +17,9 @@ use rabbit_inbox::{
 use sqlx::{PgConnection, PgPool, postgres::PgPoolOptions};
 
 pub(crate) const CONSUMER: &str = "orders";
-pub(crate) const READ_TOKEN: &str = "read-secret-0123456789";
-pub(crate) const ADMIN_TOKEN: &str = "admin-secret-0123456789";
+pub(crate) const READ_TOKEN: &str = "9b1f3c7e5a2d4f6081c3e5a7b9d1f3e5";
+pub(crate) const PAYLOAD_TOKEN: &str = "4c8e2a6f0b3d5e7a9c1e3f5b7d9a2c4e";
+pub(crate) const ADMIN_TOKEN: &str = "e7d5c3b1a9f8e6d4c2b0a8f6e4d2c0b9";
 pub(crate) const REFUSED_TYPE: &str = "RefundRequested";
 pub(crate) const REFUSED_CODE: &str = "refund_unsupported";
 pub(crate) const DEADLINE: Duration = Duration::from_secs(30);
@@ -66,6 +67,21 @@ pub(crate) fn message(id: &str, kind: &str) -> OutgoingMessage {
     }
 }
 
+/// The fixture's tokens: `grafana` (read), `support` (read:payload), `alice` (admin).
+pub(crate) fn tokens() -> Tokens {
+    let mut tokens = Tokens::none();
+    tokens
+        .add(Scope::Read, "grafana", READ_TOKEN)
+        .expect("read token");
+    tokens
+        .add(Scope::ReadPayload, "support", PAYLOAD_TOKEN)
+        .expect("read:payload token");
+    tokens
+        .add(Scope::Admin, "alice", ADMIN_TOKEN)
+        .expect("admin token");
+    tokens
+}
+
 /// Polls `check` until it holds, failing the test after [`DEADLINE`].
 pub(crate) async fn wait_for(what: &str, mut check: impl AsyncFnMut() -> bool) {
     let start = tokio::time::Instant::now();
@@ -88,7 +104,8 @@ pub(crate) struct Fixture {
 
 impl Fixture {
     /// Three processed orders and two parked refunds (`refund-1`, `refund-2`), served with a
-    /// read token `grafana` and an admin token `alice`, and `metrics` at `/metrics`.
+    /// read token `grafana`, a read:payload token `support` and an admin token `alice`, and
+    /// `metrics` at `/metrics`.
     pub(crate) async fn new(metrics: Option<PrometheusHandle>) -> Self {
         let id = format!(
             "{:016x}",
@@ -155,14 +172,7 @@ impl Fixture {
             .expect("consumer task")
             .expect("consumer ran");
 
-        let mut tokens = Tokens::none();
-        tokens
-            .add(Scope::Read, "grafana", READ_TOKEN)
-            .expect("read token");
-        tokens
-            .add(Scope::Admin, "alice", ADMIN_TOKEN)
-            .expect("admin token");
-        let (base, server) = fixture.serve(tokens, metrics, "127.0.0.1:0").await;
+        let (base, server) = fixture.serve(tokens(), metrics, "127.0.0.1:0").await;
         fixture.base = base;
         fixture.server = Some(server);
         fixture
@@ -175,23 +185,42 @@ impl Fixture {
         metrics: Option<PrometheusHandle>,
         addr: &str,
     ) -> (String, tokio::task::JoinHandle<()>) {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .expect("a free port");
-        let local: SocketAddr = listener.local_addr().expect("address");
-        let state = AdminState {
+        let (local, server) = self
+            .serve_with(tokens, metrics, addr, ServeOptions::default())
+            .await;
+        (format!("http://{local}"), server)
+    }
+
+    /// The state of an admin server over this inbox.
+    pub(crate) fn state(&self, tokens: Tokens, metrics: Option<PrometheusHandle>) -> AdminState {
+        AdminState {
             ops: Operations::new(self.pool.clone(), self.schema.clone()),
             amqp_url: amqp_url(),
             queues: Some((self.topology.clone(), retry())),
             tokens,
             metrics,
-        };
+        }
+    }
+
+    /// Starts another admin server over this inbox with `options`; returns its address.
+    pub(crate) async fn serve_with(
+        &self,
+        tokens: Tokens,
+        metrics: Option<PrometheusHandle>,
+        addr: &str,
+        options: ServeOptions,
+    ) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .expect("a free port");
+        let local: SocketAddr = listener.local_addr().expect("address");
+        let state = self.state(tokens, metrics);
         let server = tokio::spawn(async move {
-            inbox_admin::serve(listener, state, std::future::pending())
+            inbox_admin::serve(listener, state, options, std::future::pending())
                 .await
                 .expect("admin server runs");
         });
-        (format!("http://{local}"), server)
+        (local, server)
     }
 
     pub(crate) async fn depths(&self) -> QueueDepths {

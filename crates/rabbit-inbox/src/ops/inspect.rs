@@ -14,7 +14,10 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{AssertSqlSafe, Row, postgres::PgRow};
 
-use super::{Operations, OpsError};
+use super::{
+    Actor, Operations, OpsError,
+    audit::{PAYLOAD_READ, audit},
+};
 use crate::{
     InboxStatus, QueueDepth, RetryPolicy, Topology,
     broker::ParkingLot,
@@ -30,6 +33,7 @@ pub const OPEN_STATUSES: [InboxStatus; 5] = [
     InboxStatus::Poisoned,
     InboxStatus::ManualReview,
 ];
+
 
 /// The window of the "last hour" counters of [`StatusReport`].
 const RECENT: Duration = Duration::from_secs(3600);
@@ -863,6 +867,29 @@ impl Operations {
             tombstones,
             audit,
         })
+    }
+
+    /// Records that `actor` read the payload, headers and error text of `message_id` for
+    /// `consumer` (audit action [`PAYLOAD_READ`]); `details` say what was shown. Call it before
+    /// handing the contents out, and withhold them if it fails.
+    pub async fn audit_payload_read(
+        &self,
+        actor: &Actor,
+        consumer: &str,
+        message_id: &str,
+        details: serde_json::Value,
+    ) -> Result<i64, OpsError> {
+        let mut conn = self.pool.acquire().await?;
+        audit(
+            &mut conn,
+            &self.schema,
+            actor,
+            PAYLOAD_READ,
+            Some(consumer),
+            Some(message_id),
+            details,
+        )
+        .await
     }
 
     /// Failed rows (retrying, permanently failed, poisoned) grouped by consumer, status,

@@ -56,6 +56,10 @@ use crate::{EnvelopeRules, InboxStatus, ParkedMessage, ParkingLot, Republished, 
 
 /// Audit action of a parked copy moved back for an open row, or without an inbox row.
 pub const REDRIVE: &str = "redrive";
+/// Slowest redrive pace accepted: one move every 1,000 seconds.
+pub const MIN_REDRIVE_RATE: f64 = 0.001;
+/// Fastest redrive pace accepted, moves per second.
+pub const MAX_REDRIVE_RATE: f64 = 100_000.0;
 /// Audit action of a parked copy of a PROCESSED row removed from the parking lot.
 pub const DROP_PROCESSED: &str = "redrive_drop_processed";
 /// Audit action of a parked copy removed because a redrive already moved its message (the
@@ -90,7 +94,7 @@ pub struct RedriveRequest {
     pub since: Option<DateTime<Utc>>,
     /// Only copies parked before.
     pub until: Option<DateTime<Utc>>,
-    /// At most this many moves per second.
+    /// At most this many moves per second, from [`MIN_REDRIVE_RATE`] to [`MAX_REDRIVE_RATE`].
     pub rate_per_sec: Option<f64>,
     /// At most this many copies moved (or, in a dry run, that would move).
     pub limit: Option<u64>,
@@ -452,11 +456,14 @@ impl Operations {
                 "a redrive that moves messages needs an actor and a reason (or a dry run)".into(),
             ));
         }
+        // The pace is an interval of 1/rate: a tiny rate would overflow it.
         if request
             .rate_per_sec
-            .is_some_and(|r| !(r > 0.0 && r.is_finite()))
+            .is_some_and(|r| !(MIN_REDRIVE_RATE..=MAX_REDRIVE_RATE).contains(&r))
         {
-            return Err(OpsError::Invalid("rate must be a positive number".into()));
+            return Err(OpsError::Invalid(format!(
+                "rate must be a number from {MIN_REDRIVE_RATE} to {MAX_REDRIVE_RATE} per second"
+            )));
         }
         let (_, parking) = lot.depths().await?;
         let Some(depth) = parking.messages else {
