@@ -13,9 +13,9 @@
 //! the header frame it sends, but the exact sizes are easiest to build by hand.
 
 // Shared with the other integration tests; not every helper is used here.
+mod raw_amqp;
 #[allow(dead_code)]
 mod util;
-mod raw_amqp;
 
 use rabbit_inbox::{
     AmqpMessage, InboxStatus, Topology,
@@ -35,7 +35,8 @@ struct Sized {
 impl Sized {
     /// Named after its frame's size relative to `frame_max`: `header-frame-max+8`.
     fn new(frame_max: usize, frame_len: usize) -> Self {
-        let offset = i64::try_from(frame_len).expect("fits") - i64::try_from(frame_max).expect("fits");
+        let offset =
+            i64::try_from(frame_len).expect("fits") - i64::try_from(frame_max).expect("fits");
         Self {
             id: format!("header-frame-max{offset:+}"),
             frame_len,
@@ -129,7 +130,10 @@ async fn header_frames_at_the_size_limits_are_parked_under_their_own_id() {
             .iter()
             .find(|p| p.message_id.as_deref() == Some(m.id.as_str()))
             .unwrap_or_else(|| panic!("{} is parked", m.id));
-        assert_eq!(header(copy, parking_headers::INBOX_KEY), Some(m.id.as_str()));
+        assert_eq!(
+            header(copy, parking_headers::INBOX_KEY),
+            Some(m.id.as_str())
+        );
         assert_eq!(
             header(copy, parking_headers::ERROR_CODE),
             Some("headers_too_large"),
@@ -143,17 +147,24 @@ async fn header_frames_at_the_size_limits_are_parked_under_their_own_id() {
         // The copy could not carry the pad and still fit in a frame: it is dropped, and
         // noted with the size of the headers the producer sent.
         assert!(!copy.headers.contains_key("pad"), "{}", m.id);
-        let dropped = &copy.headers["x-inbox-headers-dropped"];
+        let dropped = &copy.headers[parking_headers::HEADERS_DROPPED];
         assert_eq!(dropped["count"], 1, "{}: {dropped}", m.id);
         assert!(
             dropped["bytes"].as_u64().expect("a size") > (frame_max as u64) - 200,
             "{}: {dropped}",
             m.id
         );
-        assert_eq!(header(copy, "x-aggregate-id"), Some("o-1"), "small headers stay");
+        assert_eq!(
+            header(copy, "x-aggregate-id"),
+            Some("o-1"),
+            "small headers stay"
+        );
         assert_eq!(copy.body, m.body(), "the body is parked unchanged");
 
-        let row = env.record("svc", &m.id).await.expect("a row under its own id");
+        let row = env
+            .record("svc", &m.id)
+            .await
+            .expect("a row under its own id");
         assert_eq!(row.status, InboxStatus::PermanentFailed);
         assert_eq!(row.last_error_code.as_deref(), Some("headers_too_large"));
         assert_eq!(row.delivery_count, 1, "{}: parked once, not looping", m.id);
@@ -207,9 +218,10 @@ async fn a_parked_copy_without_its_oversized_headers_can_be_redriven() {
 
     // The operator accepts the message without the headers the copy could not carry.
     let ops = Operations::new(env.pool.clone(), env.schema.clone());
-    let lot = rabbit_inbox::ParkingLot::connect(&amqp_url(), &topology.queue, &topology.parking_queue)
-        .await
-        .expect("parking lot");
+    let lot =
+        rabbit_inbox::ParkingLot::connect(&amqp_url(), &topology.queue, &topology.parking_queue)
+            .await
+            .expect("parking lot");
     let actor = Actor::new("alice", "headers not needed").expect("valid actor");
     let done = ops
         .redrive(&lot, &RedriveRequest::default(), Some(&actor), &NoProgress)

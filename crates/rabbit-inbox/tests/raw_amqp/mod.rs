@@ -200,7 +200,12 @@ impl RawPublisher {
             &[0],
         ]
         .concat();
-        let bytes = [method(1, 60, 40, &publish), frame(2, 1, header), frame(3, 1, body)].concat();
+        let bytes = [
+            method(1, 60, 40, &publish),
+            frame(2, 1, header),
+            frame(3, 1, body),
+        ]
+        .concat();
         self.send(&bytes);
         self.expect_method(60, 80).map(drop) // basic.ack
     }
