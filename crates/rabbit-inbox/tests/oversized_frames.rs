@@ -175,8 +175,7 @@ async fn header_frames_at_the_size_limits_are_parked_under_their_own_id() {
             m.id
         );
     }
-    let beyond = format!("header-frame-max+9");
-    assert!(env.record("svc", &beyond).await.is_none());
+    assert!(env.record("svc", "header-frame-max+9").await.is_none());
 
     let depths = env.depths(&topology).await;
     assert_eq!((depths.work, depths.parking), (0, 0), "{depths:?}");
