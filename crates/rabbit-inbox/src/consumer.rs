@@ -378,6 +378,7 @@ impl<H> Consumer<H> {
         // unsettled. Pruned against the settler: prefetch bounds the unsettled ones.
         let mut in_hand: HashMap<u64, DeliverySummary> = HashMap::new();
         let prune_above = 2 * usize::from(self.config.prefetch).max(512);
+        let mut prune_at = prune_above;
         // `None`: shut down; else why the session was lost.
         let lost = loop {
             let next = tokio::select! {
@@ -412,9 +413,11 @@ impl<H> Consumer<H> {
             let body_bytes = message.body.len();
             let parsed = parse(message, &pending, &self.config);
             let envelope = envelope_of(&parsed);
-            if in_hand.len() >= prune_above {
+            if in_hand.len() >= prune_at {
                 let unsettled = settler.unsettled().await;
                 in_hand.retain(|tag, _| unsettled.contains(tag));
+                // Amortised: many unsettled at once (lanes × batches) must not prune each time.
+                prune_at = prune_above.max(2 * in_hand.len());
             }
             in_hand.insert(
                 pending.tag(),
