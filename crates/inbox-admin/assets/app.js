@@ -182,6 +182,12 @@ async function showMessage(consumer, id) {
       ? `${row.location.place} (${row.location.queue})` : row.location.place);
     field("attempts", row.processing_attempt);
     field("deliveries", row.delivery_count);
+    if (row.parked_copy_at || row.parked_duplicates) {
+      field("parked copy", `${row.parked_copy_at ? "confirmed " + when(row.parked_copy_at) + ", " : ""}${row.parked_duplicates} duplicate(s) acked`);
+    }
+    if (row.retry_due_at || row.retry_duplicates) {
+      field("pending retry", `${row.retry_due_at ? "due " + when(row.retry_due_at) + ", " : ""}${row.retry_duplicates} duplicate(s) acked`);
+    }
     field("first received", when(row.first_received_at));
     field("attempt started", when(row.processing_started_at));
     if (row.lease_owner) {

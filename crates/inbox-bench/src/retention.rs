@@ -480,6 +480,7 @@ impl Worker {
                 .map(|(_, e)| Redelivery {
                     message_id: &e.message_id,
                     conflicting_sha256: None,
+                    duplicate_of: None,
                 })
                 .collect();
             self.store

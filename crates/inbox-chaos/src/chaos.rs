@@ -903,6 +903,19 @@ pub async fn run(
         "messages in the parking lot",
         parking.copies.len().to_string(),
     );
+    line(
+        "parking-lot copies per parked row",
+        if parking_check.parked_rows_with_copy == 0 {
+            "- (nothing parked)".to_owned()
+        } else {
+            format!(
+                "{:.2} ({} copies of {} rows; payload conflicts apart)",
+                parking_check.parked_row_copies as f64 / parking_check.parked_rows_with_copy as f64,
+                parking_check.parked_row_copies,
+                parking_check.parked_rows_with_copy
+            )
+        },
+    );
     line("lost", lost.to_string());
     line(
         "OrderPaid emitted / confirmed / shipped",
@@ -972,6 +985,10 @@ struct ParkingCheck {
     processed_copies: i64,
     /// Parked rows (PERMANENT_FAILED / POISONED) with at least one copy in the parking lot.
     parked_rows_with_copy: i64,
+    /// Copies of parked rows (payload conflicts, parked apart by design, not counted): one
+    /// per row when parking is idempotent. More only where a consumer died between the
+    /// parking lot's confirm and noting it on the row.
+    parked_row_copies: i64,
     /// Copies without an inbox key or an error code.
     without_reason: i64,
     /// Copies whose key has no inbox row, or one that is neither parked nor PROCESSED.
@@ -1053,6 +1070,9 @@ impl ParkingLot {
                 Some(InboxStatus::PermanentFailed | InboxStatus::Poisoned) => {
                     if seen.insert(key.clone()) {
                         check.parked_rows_with_copy += 1;
+                    }
+                    if code != rabbit_inbox::PAYLOAD_CONFLICT {
+                        check.parked_row_copies += 1;
                     }
                 }
                 Some(InboxStatus::Processed) => {}

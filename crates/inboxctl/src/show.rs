@@ -91,6 +91,34 @@ fn render(r: &ShowReport) -> comfy_table::Table {
             ("payload sha256", row.payload_sha256.clone()),
             ("payload conflicts", row.payload_conflicts.to_string()),
             (
+                "parked copy",
+                match row.parked_copy_at {
+                    Some(at) => format!(
+                        "confirmed {}, {} duplicate(s) acked",
+                        when::cell(Some(at)),
+                        row.parked_duplicates
+                    ),
+                    None if row.parked_duplicates > 0 => {
+                        format!("{} duplicate(s) acked", row.parked_duplicates)
+                    }
+                    None => String::new(),
+                },
+            ),
+            (
+                "pending retry",
+                match row.retry_due_at {
+                    Some(at) => format!(
+                        "due {}, {} duplicate(s) acked",
+                        when::cell(Some(at)),
+                        row.retry_duplicates
+                    ),
+                    None if row.retry_duplicates > 0 => {
+                        format!("{} duplicate(s) acked", row.retry_duplicates)
+                    }
+                    None => String::new(),
+                },
+            ),
+            (
                 "aggregate",
                 format!("{} {}", opt(&row.aggregate_type), opt(&row.aggregate_id)),
             ),

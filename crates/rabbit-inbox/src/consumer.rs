@@ -618,7 +618,13 @@ async fn lane(mut rx: mpsc::Receiver<Work>, ctx: LaneContext) {
                 .zip(envelopes)
                 .map(|((pending, outcome), envelope)| (pending, outcome, envelope))
                 .collect();
-            let unsettled = ctx.settler.settle_batch(batch, &ctx.stats).await;
+            let (store, consumer) = ctx.processor.store();
+            let unsettled = ctx
+                .settler
+                .settle_batch(batch, &ctx.stats, async |copies| {
+                    db.note_confirmed_copies(store, consumer, &copies).await;
+                })
+                .await;
             metrics::histogram!(telemetry::metrics::COMMIT_TO_ACK, "consumer" => ctx.stats.consumer_label().clone())
                 .record(committed.elapsed().as_secs_f64());
             unsettled

@@ -306,30 +306,43 @@ fn classify(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<Inv
         })
     };
 
-    if envelope.body.len() > rules.max_payload_bytes {
-        let detail = format!(
-            "body is {} bytes, the limit is {}",
-            envelope.body.len(),
-            rules.max_payload_bytes
-        );
-        return Err(invalid(envelope, InvalidReason::PayloadTooLarge, detail));
-    }
-
-    // Incomplete headers: nothing read from them (key, version, aggregate) can be trusted.
-    if let Some(detail) = &msg.headers_truncated {
-        return Err(invalid(
-            envelope,
-            InvalidReason::HeadersTooDeep,
-            detail.clone(),
-        ));
-    }
-
     let key = rules.dedup.extract(
         msg.message_id.as_deref(),
         &envelope.headers,
         msg.content_type.as_deref(),
         payload.as_ref(),
     );
+    // Refused before anything else is read, but recorded under the message's own key when it
+    // has a usable one (so `show <id>` finds it and a redelivery maps to the same row); the
+    // synthetic key only when it has none. A body over the limit is not parsed, so a key
+    // taken from the body is missing here. Headers cut at the depth bound keep their upper
+    // levels intact (a key header is a top-level string), but a key that is the cut marker
+    // itself is no key.
+    let refused = |mut envelope: Envelope, reason: InvalidReason, detail: String| match &key {
+        Ok(key) if !key.contains(crate::broker::HEADER_TOO_DEEP) => {
+            envelope.message_id = key.clone();
+            keep_key(envelope, reason, detail)
+        }
+        _ => invalid(envelope, reason, detail),
+    };
+    if envelope.body.len() > rules.max_payload_bytes {
+        let detail = format!(
+            "body is {} bytes, the limit is {}",
+            envelope.body.len(),
+            rules.max_payload_bytes
+        );
+        return Err(refused(envelope, InvalidReason::PayloadTooLarge, detail));
+    }
+
+    // Incomplete headers: nothing else read from them (version, aggregate) can be trusted.
+    if let Some(detail) = &msg.headers_truncated {
+        return Err(refused(
+            envelope,
+            InvalidReason::HeadersTooDeep,
+            detail.clone(),
+        ));
+    }
+
     match key {
         Ok(key) => envelope.message_id = key,
         Err(KeyError::Missing(d)) => {

@@ -26,7 +26,10 @@ use crate::{
     handler::{BatchError, BatchHandler, ErrorKind, HANDLER_PANICKED, HandlerError, InboxMessage},
     outbox::Outbox,
     stats::ConsumerStats,
-    store::{Claim, Failure, InboxRecord, InboxStatus, InboxStore, Redelivery},
+    store::{
+        Claim, ConfirmedCopy, Failure, InboxRecord, InboxStatus, InboxStore, PendingCopy,
+        Redelivery,
+    },
     telemetry::metrics as m,
 };
 
@@ -57,6 +60,18 @@ pub enum Outcome {
         code: String,
         /// Error message.
         message: String,
+        /// The row's attempt count when this copy is the row's own (noted on the row once
+        /// the parking lot confirms it); `None` for a copy that is not the row's (a payload
+        /// conflict), which is parked every time.
+        attempt: Option<i32>,
+    },
+    /// A confirmed copy of the message already waits in the broker for its row: the parked
+    /// copy of a parked row, or the retry copy of a RETRYABLE_FAILED row that is not due yet.
+    /// This delivery is a duplicate of it, counted on the row, and runs nothing and charges
+    /// no attempt. Broker: ack.
+    CopyPending {
+        /// Which copy.
+        copy: PendingCopy,
     },
     /// Another consumer holds a fresh PROCESSING row for this key. Broker: delayed retry.
     InFlightElsewhere,
@@ -144,6 +159,37 @@ pub(crate) trait Process: Send + Sync + 'static {
         items: &'a [Parsed],
         db: &'a mut LaneConnection,
     ) -> futures::future::BoxFuture<'a, Vec<Outcome>>;
+
+    /// The ledger the lane notes its confirmed copies in.
+    fn store(&self) -> (&InboxStore, &str);
+}
+
+impl LaneConnection {
+    /// Notes the copies the broker confirmed on their rows (see
+    /// [`InboxStore::note_confirmed_copies`]), in a short transaction of its own. A failure is
+    /// logged and costs only dedup: an unnoted parked copy makes the next copy of its message
+    /// parked again, an unnoted retry copy lets the next copy run before it is due. Nothing is
+    /// lost, so it never holds back the acks.
+    pub(crate) async fn note_confirmed_copies(
+        &mut self,
+        store: &InboxStore,
+        consumer: &str,
+        copies: &[ConfirmedCopy],
+    ) {
+        let noted = async {
+            let mut tx = self.begin().await?;
+            store
+                .note_confirmed_copies(&mut tx, consumer, copies)
+                .await?;
+            tx.commit().await?;
+            Ok::<_, StoreError>(())
+        }
+        .await;
+        if let Err(error) = noted {
+            tracing::warn!(%error, copies = copies.len(), "confirmed copies could not be noted on their rows; later copies of those messages will be copied again");
+            self.discard();
+        }
+    }
 }
 
 impl<H: BatchHandler> Process for Processor<H> {
@@ -161,6 +207,10 @@ impl<H: BatchHandler> Process for Processor<H> {
         db: &'a mut LaneConnection,
     ) -> futures::future::BoxFuture<'a, Vec<Outcome>> {
         Box::pin(self.process(items, db))
+    }
+
+    fn store(&self) -> (&InboxStore, &str) {
+        (&self.store, &self.consumer)
     }
 }
 
@@ -686,12 +736,20 @@ impl<H: BatchHandler> Processor<H> {
                 Claim::Existing(record) => record,
             };
             let conflict = self.body_must_match && !same_body(&record.payload_sha256, envelope);
+            let pending = (!conflict)
+                .then(|| record.pending_copy(scheduled_attempt(envelope), batch.db_now))
+                .flatten();
             redeliveries.push(Redelivery {
                 message_id: &envelope.message_id,
                 conflicting_sha256: conflict.then_some(&envelope.payload_sha256[..]),
+                duplicate_of: pending,
             });
             if conflict {
                 decided.push((i, payload_conflict(&record, envelope)));
+                continue;
+            }
+            if let Some(copy) = pending {
+                decided.push((i, Outcome::CopyPending { copy }));
                 continue;
             }
             let outcome = match record.status {
@@ -714,8 +772,8 @@ impl<H: BatchHandler> Processor<H> {
                     }
                     Outcome::InFlightElsewhere
                 }
-                // Already parked once; this copy is a redelivery (e.g. a crash between the
-                // parking publish and the ack). Park it again rather than risk losing it.
+                // Parked, but no confirmed parking copy is noted (the confirm never came, or
+                // the process died before noting it): park this copy rather than risk losing it.
                 InboxStatus::PermanentFailed
                 | InboxStatus::Poisoned
                 | InboxStatus::ManualReview => parked_again(&record),
@@ -1025,6 +1083,7 @@ impl<H: BatchHandler> Processor<H> {
                 conflicts.push(Redelivery {
                     message_id: &envelope.message_id,
                     conflicting_sha256: Some(&envelope.payload_sha256[..]),
+                    duplicate_of: None,
                 });
                 decided.push((
                     f.index,
@@ -1041,6 +1100,7 @@ impl<H: BatchHandler> Processor<H> {
                             f.code,
                             f.message
                         ),
+                        attempt: None,
                     },
                 ));
                 continue;
@@ -1099,10 +1159,11 @@ impl<H: BatchHandler> Processor<H> {
                         attempt,
                         code: f.code.clone(),
                     },
-                    Some((status, _)) => Outcome::Parked {
+                    Some((status, attempt)) => Outcome::Parked {
                         status,
                         code: f.code.clone(),
                         message: f.message.clone(),
+                        attempt: Some(attempt),
                     },
                     // The row is PROCESSED or parked and was left alone.
                     None => {
@@ -1113,7 +1174,12 @@ impl<H: BatchHandler> Processor<H> {
                             .map_err(FailureTxError::store)?;
                         match row {
                             Some(row) if row.status == InboxStatus::Processed => Outcome::Duplicate,
-                            Some(row) if row.status.is_parked() => parked_again(&row),
+                            Some(row) if row.status.is_parked() => {
+                                match row.pending_copy(None, chrono::Utc::now()) {
+                                    Some(copy) => Outcome::CopyPending { copy },
+                                    None => parked_again(&row),
+                                }
+                            }
                             _ => {
                                 return Err(FailureTxError::Transient(format!(
                                     "row {} changed while its failure was recorded",
@@ -1180,6 +1246,7 @@ pub(crate) fn payload_conflict(record: &InboxRecord, envelope: &Envelope) -> Out
             hex::encode(&record.payload_sha256),
             hex::encode(envelope.payload_sha256)
         ),
+        attempt: None,
     }
 }
 
@@ -1189,7 +1256,18 @@ pub(crate) fn parked_again(record: &InboxRecord) -> Outcome {
         status: record.status,
         code: record.last_error_code.clone().unwrap_or_default(),
         message: record.last_error_message.clone().unwrap_or_default(),
+        attempt: Some(record.processing_attempt),
     }
+}
+
+/// The attempt a retry-tier copy was scheduled for (the consumer's own header on the copies
+/// it sends to a tier); `None` on any other copy.
+pub(crate) fn scheduled_attempt(envelope: &Envelope) -> Option<i32> {
+    envelope
+        .headers
+        .get(crate::broker::parking_headers::RETRY_ATTEMPT)
+        .and_then(serde_json::Value::as_i64)
+        .and_then(|n| i32::try_from(n).ok())
 }
 
 /// Whether a recorded body hash is this envelope's body. Rows may hold the hash of the raw

@@ -134,8 +134,11 @@ impl ConsumerStats {
         let mut duplicates = Groups::new();
         for ((outcome, envelope), ty) in outcomes.iter().zip(envelopes).zip(&types) {
             bump(&mut by_outcome, (ty, m::outcome_label(outcome)));
-            if matches!(outcome, Outcome::Duplicate) {
-                bump(&mut duplicates, (ty, m::duplicate_reason(envelope)));
+            if matches!(outcome, Outcome::Duplicate | Outcome::CopyPending { .. }) {
+                bump(
+                    &mut duplicates,
+                    (ty, m::duplicate_reason(outcome, envelope)),
+                );
             }
         }
         for ((ty, outcome), n) in by_outcome {
@@ -151,7 +154,7 @@ impl ConsumerStats {
         for outcome in outcomes {
             counts[match outcome {
                 Outcome::Processed => 0,
-                Outcome::Duplicate => 1,
+                Outcome::Duplicate | Outcome::CopyPending { .. } => 1,
                 Outcome::RetryScheduled { .. } | Outcome::InFlightElsewhere => 2,
                 Outcome::Parked { .. } => 3,
                 Outcome::Unrecorded { .. } => 4,

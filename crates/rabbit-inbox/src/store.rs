@@ -141,6 +141,76 @@ pub struct InboxRecord {
     pub last_error_code: Option<String>,
     /// Last error message (truncated).
     pub last_error_message: Option<String>,
+    /// When the parking-lot copy of this (parked) row was confirmed. Later copies of the
+    /// message are acked as duplicates while it is set (see [`PendingCopy::Parked`]).
+    pub parked_copy_at: Option<DateTime<Utc>>,
+    /// Copies acked as duplicates of the parked copy.
+    pub parked_duplicates: i32,
+    /// The attempt whose retry-tier copy was confirmed (while the row is RETRYABLE_FAILED).
+    pub retry_copy_attempt: Option<i32>,
+    /// When that retry copy is due back from its tier.
+    pub retry_due_at: Option<DateTime<Utc>>,
+    /// Copies acked as duplicates while a retry copy was pending.
+    pub retry_duplicates: i32,
+}
+
+impl InboxRecord {
+    /// Whether a confirmed copy of this row's current state waits in the broker, so that
+    /// `delivery` (another copy of the same message) must not be copied or run again: the
+    /// parked copy of a parked row, or the retry copy of a RETRYABLE_FAILED row before it is
+    /// due. `scheduled_attempt` is the attempt a retry copy names (its
+    /// [`crate::parking_headers::RETRY_ATTEMPT`] header): the scheduled copy itself runs.
+    pub fn pending_copy(
+        &self,
+        scheduled_attempt: Option<i32>,
+        db_now: DateTime<Utc>,
+    ) -> Option<PendingCopy> {
+        match self.status {
+            status if status.is_parked() => self.parked_copy_at.map(|_| PendingCopy::Parked),
+            InboxStatus::RetryableFailed => {
+                let attempt = self.retry_copy_attempt?;
+                let due = self.retry_due_at?;
+                (attempt == self.processing_attempt
+                    && scheduled_attempt != Some(attempt)
+                    && db_now < due)
+                    .then_some(PendingCopy::Retry)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A confirmed copy the broker holds for a row; another delivery of the message is acked as
+/// its duplicate (and counted on the row) instead of being copied or run again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PendingCopy {
+    /// The row is parked and its copy is in the parking lot.
+    Parked,
+    /// The row waits for a retry whose copy is in a retry tier and not yet due.
+    Retry,
+}
+
+/// A copy whose publish the broker confirmed, to be noted on its row (see
+/// [`InboxStore::note_confirmed_copies`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConfirmedCopy {
+    /// Dedup key of the row.
+    pub message_id: String,
+    /// The row's attempt count the copy was made for.
+    pub attempt: i32,
+    /// Where it went.
+    pub kind: ConfirmedCopyKind,
+}
+
+/// Where a confirmed copy went.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum ConfirmedCopyKind {
+    /// The parking lot.
+    Parked,
+    /// A retry tier, due back after this delay.
+    Retry(Duration),
 }
 
 /// What claiming a message found.
@@ -189,6 +259,8 @@ pub struct Redelivery<'a> {
     pub message_id: &'a str,
     /// Hash of the redelivered body when it differs from the recorded one.
     pub conflicting_sha256: Option<&'a [u8]>,
+    /// The confirmed copy this delivery duplicates, if any (counted on the row).
+    pub duplicate_of: Option<PendingCopy>,
 }
 
 /// PostgreSQL `text` and `jsonb` cannot hold U+0000, and any producer can put one in a header
@@ -256,6 +328,7 @@ struct Sql {
     find_stored_payload: SqlStr,
     reclaim: SqlStr,
     note_redeliveries: SqlStr,
+    note_confirmed_copies: SqlStr,
     mark_processed: SqlStr,
     record_failure: SqlStr,
     find_stale: SqlStr,
@@ -302,7 +375,8 @@ const RECORD_COLUMNS: &str = "message_id, consumer_name, message_type, message_v
      aggregate_type, aggregate_id, status, processing_attempt, delivery_count, \
      first_received_at, last_received_at, processing_started_at, processed_at, \
      first_failed_at, last_failed_at, payload_sha256, payload_conflicts, last_error_code, \
-     last_error_message";
+     last_error_message, parked_copy_at, parked_duplicates, retry_copy_attempt, retry_due_at, \
+     retry_duplicates";
 
 impl Sql {
     fn new(schema: &SchemaName) -> Self {
@@ -363,11 +437,33 @@ impl Sql {
                    delivery_count = i.delivery_count + u.n, \
                    payload_conflicts = i.payload_conflicts + u.conflicts, \
                    last_conflict_sha256 = coalesce(u.sha, i.last_conflict_sha256), \
-                   last_conflict_at = CASE WHEN u.sha IS NULL THEN i.last_conflict_at ELSE now() END \
+                   last_conflict_at = CASE WHEN u.sha IS NULL THEN i.last_conflict_at ELSE now() END, \
+                   parked_duplicates = i.parked_duplicates + u.parked, \
+                   retry_duplicates = i.retry_duplicates + u.retry \
                  FROM (SELECT id, count(*)::int AS n, count(sha)::int AS conflicts, \
-                         (array_agg(sha) FILTER (WHERE sha IS NOT NULL))[1] AS sha \
-                       FROM UNNEST($2::text[], $3::bytea[]) AS x(id, sha) GROUP BY id) AS u \
+                         (array_agg(sha) FILTER (WHERE sha IS NOT NULL))[1] AS sha, \
+                         count(*) FILTER (WHERE dup = 'parked')::int AS parked, \
+                         count(*) FILTER (WHERE dup = 'retry')::int AS retry \
+                       FROM UNNEST($2::text[], $3::bytea[], $4::text[]) AS x(id, sha, dup) \
+                       GROUP BY id) AS u \
                  WHERE i.consumer_name = $1 AND i.message_id = u.id"
+            )),
+            // One UPDATE changes a row once: a key listed twice (two copies made for one
+            // attempt) is marked once.
+            note_confirmed_copies: audited(format!(
+                "UPDATE {t} AS i SET \
+                   parked_copy_at = CASE WHEN u.delay IS NULL THEN now() ELSE i.parked_copy_at END, \
+                   retry_copy_attempt = CASE WHEN u.delay IS NULL THEN i.retry_copy_attempt \
+                                             ELSE u.attempt END, \
+                   retry_due_at = CASE WHEN u.delay IS NULL THEN i.retry_due_at \
+                                       ELSE now() + make_interval(secs => u.delay) END \
+                 FROM (SELECT DISTINCT ON (id) id, attempt, delay \
+                       FROM UNNEST($2::text[], $3::int4[], $4::float8[]) AS x(id, attempt, delay)) AS u \
+                 WHERE i.consumer_name = $1 AND i.message_id = u.id \
+                   AND i.processing_attempt = u.attempt \
+                   AND CASE WHEN u.delay IS NULL \
+                            THEN i.status IN ('PERMANENT_FAILED', 'POISONED', 'MANUAL_REVIEW') \
+                            ELSE i.status = 'RETRYABLE_FAILED' END"
             )),
             mark_processed: audited(format!(
                 "UPDATE {t} SET status = 'PROCESSED', processed_at = now(), \
@@ -501,6 +597,11 @@ fn record_from_row(row: &sqlx::postgres::PgRow) -> Result<InboxRecord, StoreErro
         payload_conflicts: row.try_get("payload_conflicts")?,
         last_error_code: row.try_get("last_error_code")?,
         last_error_message: row.try_get("last_error_message")?,
+        parked_copy_at: row.try_get("parked_copy_at")?,
+        parked_duplicates: row.try_get("parked_duplicates")?,
+        retry_copy_attempt: row.try_get("retry_copy_attempt")?,
+        retry_due_at: row.try_get("retry_due_at")?,
+        retry_duplicates: row.try_get("retry_duplicates")?,
     })
 }
 
@@ -957,9 +1058,56 @@ impl InboxStore {
                     .map(|r| r.conflicting_sha256)
                     .collect::<Vec<_>>(),
             )
+            .bind(
+                redeliveries
+                    .iter()
+                    .map(|r| {
+                        r.duplicate_of.map(|copy| match copy {
+                            PendingCopy::Parked => "parked",
+                            PendingCopy::Retry => "retry",
+                        })
+                    })
+                    .collect::<Vec<_>>(),
+            )
             .execute(conn)
             .await?;
         Ok(())
+    }
+
+    /// Notes on their rows the copies the broker confirmed (before the deliveries they were
+    /// made from are acked): a parked row's copy is in the parking lot, a retry copy in its
+    /// tier until it is due. A mark lands only while the row is still in the state and attempt
+    /// the copy was made for; a change of either voids it (a trigger), so a mark never
+    /// outlives its copy's reason. Later copies of the message are then acked as duplicates
+    /// ([`InboxRecord::pending_copy`]).
+    pub async fn note_confirmed_copies(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        copies: &[ConfirmedCopy],
+    ) -> Result<u64, StoreError> {
+        if copies.is_empty() {
+            return Ok(0);
+        }
+        let (mut ids, mut attempts, mut delays) = (Vec::new(), Vec::new(), Vec::new());
+        for copy in copies {
+            ids.push(copy.message_id.as_str());
+            attempts.push(copy.attempt);
+            // NULL delay: a parking copy.
+            delays.push(match copy.kind {
+                ConfirmedCopyKind::Parked => None,
+                ConfirmedCopyKind::Retry(delay) => Some(delay.as_secs_f64()),
+            });
+        }
+        Ok(sqlx::query(self.sql.note_confirmed_copies.clone())
+            .persistent(false)
+            .bind(consumer)
+            .bind(ids)
+            .bind(attempts)
+            .bind(delays)
+            .execute(conn)
+            .await?
+            .rows_affected())
     }
 
     /// Marks PROCESSING rows PROCESSED in the caller's (business) transaction and returns how

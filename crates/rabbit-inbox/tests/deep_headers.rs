@@ -203,6 +203,7 @@ async fn header_nesting_as_deep_as_a_frame_allows_is_parked_and_the_consumer_sur
         assert_eq!(copy.body, m.body(), "the body is parked unchanged");
 
         let key = header(copy, parking_headers::INBOX_KEY).expect("inbox key");
+        assert_eq!(key, m.id, "recorded under its own message id");
         let row = env.record("svc", key).await.expect("an inbox row");
         assert_eq!(row.status, InboxStatus::PermanentFailed);
         assert_eq!(row.last_error_code.as_deref(), Some("headers_too_deep"));

@@ -21,6 +21,7 @@ use crate::{
     envelope::Envelope,
     processor::Outcome,
     stats::ConsumerStats,
+    store::{ConfirmedCopy, ConfirmedCopyKind},
 };
 
 /// Headers the consumer adds to a parked message. Replay tools read them.
@@ -52,6 +53,10 @@ pub mod parking_headers {
     /// `frame_max`: how many of them were dropped (the largest first) and their encoded size,
     /// as a table `{count, bytes}`. The inbox row's error says so too.
     pub const HEADERS_DROPPED: &str = "x-inbox-headers-dropped";
+    /// On a copy sent to a retry tier: the attempt whose failure scheduled it. The copy that
+    /// comes back with the row's current attempt is the scheduled retry and runs; other
+    /// copies of the message that arrive before it is due are acked as duplicates.
+    pub const RETRY_ATTEMPT: &str = "x-inbox-retry-attempt";
 }
 
 /// Longest wait for one settlement (a copy waits for its confirm). Past it the publish counts
@@ -118,6 +123,8 @@ struct Copy<'a> {
     queue: &'a str,
     properties: BasicProperties,
     body: &'a [u8],
+    /// What to note on the row once the copy is confirmed (`None`: nothing).
+    note: Option<ConfirmedCopy>,
 }
 
 impl Settler {
@@ -164,6 +171,15 @@ impl Settler {
             .collect()
     }
 
+    /// The delay of the retry tier a message whose attempt `attempt` failed goes to.
+    fn retry_delay(&self, attempt: i32) -> Duration {
+        self.retry
+            .delays
+            .get(self.retry.tier_of_attempt(attempt))
+            .copied()
+            .unwrap_or_default()
+    }
+
     /// The retry queue for a message whose attempt `attempt` failed.
     fn retry_tier(&self, attempt: i32) -> &str {
         let tier = self.retry.tier_of_attempt(attempt);
@@ -175,7 +191,9 @@ impl Settler {
 
     /// Settles a processed batch by its durable outcomes; the one function that acks or nacks.
     /// Requeues go first, one by one; retry and parking copies are published together and
-    /// confirmed; the acks (of processed deliveries and of confirmed copies) then go as one
+    /// confirmed, and `note_copies` records the confirmed ones on their rows (so that later
+    /// copies of those messages are recognised as duplicates of a copy the broker holds);
+    /// the acks (of processed deliveries and of confirmed copies) then go as one
     /// multiple-ack over the settled prefix. A copy the broker does not confirm is requeued
     /// after a back-off, and the session goes on. Returns how many deliveries could not be
     /// settled (the broker will redeliver them and the inbox will recognise them).
@@ -183,14 +201,15 @@ impl Settler {
         &self,
         batch: Vec<(PendingDelivery, &Outcome, &Envelope)>,
         stats: &ConsumerStats,
+        note_copies: impl AsyncFnOnce(Vec<ConfirmedCopy>),
     ) -> usize {
         let mut settled = Vec::new();
         let mut to_ack = Vec::new();
         let mut copies = Vec::new();
         let mut unsettled = 0;
         for (pending, outcome, envelope) in batch {
-            let (queue, properties) = match outcome {
-                Outcome::Processed | Outcome::Duplicate => {
+            let (queue, properties, note) = match outcome {
+                Outcome::Processed | Outcome::Duplicate | Outcome::CopyPending { .. } => {
                     to_ack.push((pending.tag(), pending.received_at));
                     continue;
                 }
@@ -205,24 +224,53 @@ impl Settler {
                     }
                     continue;
                 }
-                Outcome::RetryScheduled { attempt, .. } => (
-                    self.retry_tier(*attempt),
-                    copy_properties(&pending.delivery, FieldTable::default()),
-                ),
-                Outcome::InFlightElsewhere => (
-                    self.retry_tier(1),
-                    copy_properties(&pending.delivery, FieldTable::default()),
-                ),
+                Outcome::RetryScheduled { attempt, .. } => {
+                    let mut scheduled = FieldTable::default();
+                    scheduled.insert(
+                        parking_headers::RETRY_ATTEMPT.into(),
+                        AMQPValue::LongLongInt(i64::from(*attempt)),
+                    );
+                    (
+                        self.retry_tier(*attempt),
+                        copy_properties(&pending.delivery, scheduled),
+                        Some(ConfirmedCopy {
+                            message_id: envelope.message_id.clone(),
+                            attempt: *attempt,
+                            kind: ConfirmedCopyKind::Retry(self.retry_delay(*attempt)),
+                        }),
+                    )
+                }
+                // Not the row's retry: the row is another consumer's, and nothing is noted.
+                // Attempt 0 names no scheduled retry, so a scheduled copy passing through here
+                // does not come back as one.
+                Outcome::InFlightElsewhere => {
+                    let mut unscheduled = FieldTable::default();
+                    unscheduled.insert(
+                        parking_headers::RETRY_ATTEMPT.into(),
+                        AMQPValue::LongLongInt(0),
+                    );
+                    (
+                        self.retry_tier(1),
+                        copy_properties(&pending.delivery, unscheduled),
+                        None,
+                    )
+                }
                 Outcome::Parked {
                     status,
                     code,
                     message,
+                    attempt,
                 } => (
                     &*self.parking_queue,
                     copy_properties(
                         &pending.delivery,
                         self.reason_headers(envelope, status.as_str(), code, message),
                     ),
+                    attempt.map(|attempt| ConfirmedCopy {
+                        message_id: envelope.message_id.clone(),
+                        attempt,
+                        kind: ConfirmedCopyKind::Parked,
+                    }),
                 ),
             };
             // A copy the broker would refuse would come back, and be refused, for ever.
@@ -242,6 +290,7 @@ impl Settler {
                 queue,
                 properties,
                 body: &envelope.body,
+                note,
             });
         }
 
@@ -252,14 +301,24 @@ impl Settler {
         }))
         .await;
         let mut failed = Vec::new();
+        let mut confirmed = Vec::new();
         for (copy, result) in copies.into_iter().zip(results) {
             match result {
-                Ok(()) => to_ack.push((copy.pending.tag(), copy.pending.received_at)),
+                Ok(()) => {
+                    to_ack.push((copy.pending.tag(), copy.pending.received_at));
+                    confirmed.extend(copy.note);
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, queue = copy.queue, delivery_tag = copy.pending.tag(), "copy not confirmed; the delivery is requeued after a back-off");
                     failed.push(copy.pending);
                 }
             }
+        }
+        // Noted before the acks: a delivery redelivered after a lost ack must find its copy
+        // noted. Only after the confirm: a noted copy the broker never took would turn the
+        // next delivery of the message into a dropped duplicate.
+        if !confirmed.is_empty() {
+            note_copies(confirmed).await;
         }
         let published = !to_ack.is_empty();
         unsettled += self.ack_settled(&settled, &to_ack, stats).await;

@@ -17,7 +17,7 @@ use crate::{
     handler::{BatchError, BatchHandler, ErrorKind, HandlerError, InboxMessage},
     processor::{
         LaneConnection, Outcome, Parsed, Process, Processor, parked_again, payload_conflict,
-        same_body,
+        same_body, scheduled_attempt,
     },
     store::{Claim, InboxStatus, InboxStore, Redelivery},
 };
@@ -208,6 +208,12 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
             Claim::Existing(record) => record,
         };
         let conflict = self.body_must_match && !same_body(&record.payload_sha256, envelope);
+        let db_now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&mut *tx)
+            .await?;
+        let pending = (!conflict)
+            .then(|| record.pending_copy(scheduled_attempt(envelope), db_now))
+            .flatten();
         self.store
             .note_redeliveries(
                 &mut *tx,
@@ -215,11 +221,15 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
                 &[Redelivery {
                     message_id: &envelope.message_id,
                     conflicting_sha256: conflict.then_some(&envelope.payload_sha256[..]),
+                    duplicate_of: pending,
                 }],
             )
             .await?;
         if conflict {
             return Ok(Claimed::Decided(payload_conflict(&record, envelope)));
+        }
+        if let Some(copy) = pending {
+            return Ok(Claimed::Decided(Outcome::CopyPending { copy }));
         }
         Ok(match record.status {
             InboxStatus::Processed => Claimed::Decided(Outcome::Duplicate),
@@ -373,10 +383,11 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
                 attempt,
                 code: e.code().to_owned(),
             },
-            Ok(Some((status, _))) => Outcome::Parked {
+            Ok(Some((status, attempt))) => Outcome::Parked {
                 status,
                 code: e.code().to_owned(),
                 message: e.message().to_owned(),
+                attempt: Some(attempt),
             },
             Ok(None) => self.lost(lease).await,
             Err(error) => Outcome::Unrecorded {
@@ -430,5 +441,9 @@ impl<L: LeasedHandler> Process for LeasedProcessor<L> {
         db: &'a mut LaneConnection,
     ) -> BoxFuture<'a, Vec<Outcome>> {
         Box::pin(self.process(items, db))
+    }
+
+    fn store(&self) -> (&InboxStore, &str) {
+        (&self.store, &self.consumer)
     }
 }

@@ -352,6 +352,16 @@ pub struct RowDetail {
     pub payload_conflicts: i32,
     /// When the last such copy came.
     pub last_conflict_at: Option<DateTime<Utc>>,
+    /// When the parked copy was confirmed in the parking lot (later copies are acked as its
+    /// duplicates); `None` while none is noted.
+    pub parked_copy_at: Option<DateTime<Utc>>,
+    /// Copies acked as duplicates of the parked copy.
+    pub parked_duplicates: i32,
+    /// When the pending retry copy is due back from its tier (RETRYABLE_FAILED with a
+    /// confirmed retry copy).
+    pub retry_due_at: Option<DateTime<Utc>>,
+    /// Copies acked as duplicates of a pending retry.
+    pub retry_duplicates: i32,
     /// Last error code.
     pub last_error_code: Option<String>,
     /// Last error message.
@@ -753,6 +763,10 @@ impl Operations {
                     payload_sha256: hex::encode(row.try_get::<Vec<u8>, _>("payload_sha256")?),
                     payload_conflicts: row.try_get("payload_conflicts")?,
                     last_conflict_at: row.try_get("last_conflict_at")?,
+                    parked_copy_at: row.try_get("parked_copy_at")?,
+                    parked_duplicates: row.try_get("parked_duplicates")?,
+                    retry_due_at: row.try_get("retry_due_at")?,
+                    retry_duplicates: row.try_get("retry_duplicates")?,
                     last_error_code: row.try_get("last_error_code")?,
                     last_error_message: row.try_get("last_error_message")?,
                     aggregate_type: row.try_get("aggregate_type")?,

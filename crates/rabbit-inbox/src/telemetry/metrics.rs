@@ -15,7 +15,10 @@ use std::{
 use metrics::{SharedString, Unit};
 
 use crate::{
-    envelope::Envelope, processor::Outcome, store::InboxStatus, telemetry::TelemetryConfig,
+    envelope::Envelope,
+    processor::Outcome,
+    store::{InboxStatus, PendingCopy},
+    telemetry::TelemetryConfig,
 };
 
 /// Deliveries received. Labels: `consumer`.
@@ -27,7 +30,9 @@ pub const OUTCOMES: &str = "rabbit_inbox_outcomes_total";
 /// `reason`: `redelivered` (the broker's redelivered flag: a crash or lost connection before
 /// the ack), `dead_lettered` (it came back through a retry tier or the broker's dead-lettering
 /// after its effect committed), `republished` (a fresh publish of a processed message: an
-/// outbox republish, a replay, a producer retry after an unconfirmed publish).
+/// outbox republish, a replay, a producer retry after an unconfirmed publish), `parked` (a copy
+/// of a parked message whose copy is already in the parking lot), `retry_pending` (a copy of a
+/// message whose retry copy waits in a tier and is not due yet).
 pub const DUPLICATES: &str = "rabbit_inbox_duplicates_total";
 /// Settlements the broker did not take (the delivery comes back). Labels: `consumer`.
 pub const SETTLE_FAILURES: &str = "rabbit_inbox_settle_failures_total";
@@ -141,7 +146,7 @@ pub const OUTCOME_LABELS: [&str; 8] = [
 pub fn outcome_label(outcome: &Outcome) -> &'static str {
     match outcome {
         Outcome::Processed => "processed",
-        Outcome::Duplicate => "duplicate",
+        Outcome::Duplicate | Outcome::CopyPending { .. } => "duplicate",
         Outcome::RetryScheduled { .. } => "retry_scheduled",
         Outcome::InFlightElsewhere => "in_flight_elsewhere",
         Outcome::Parked { code, .. } if code == crate::PAYLOAD_CONFLICT => "payload_conflict",
@@ -154,9 +159,15 @@ pub fn outcome_label(outcome: &Outcome) -> &'static str {
     }
 }
 
-/// The `reason` label of a duplicate delivery.
-pub fn duplicate_reason(envelope: &Envelope) -> &'static str {
-    if envelope.death_count > 0 {
+/// The `reason` label of a duplicate delivery: what it duplicates (`outcome`), else how it
+/// came (`envelope`).
+pub fn duplicate_reason(outcome: &Outcome, envelope: &Envelope) -> &'static str {
+    if let Outcome::CopyPending { copy } = outcome {
+        match copy {
+            PendingCopy::Retry => "retry_pending",
+            _ => "parked",
+        }
+    } else if envelope.death_count > 0 {
         "dead_lettered"
     } else if envelope.redelivered {
         "redelivered"
@@ -355,16 +366,19 @@ mod tests {
                 status: InboxStatus::PermanentFailed,
                 code: "x".into(),
                 message: String::new(),
+                attempt: Some(1),
             },
             Outcome::Parked {
                 status: InboxStatus::Poisoned,
                 code: "x".into(),
                 message: String::new(),
+                attempt: Some(1),
             },
             Outcome::Parked {
                 status: InboxStatus::Processed,
                 code: crate::PAYLOAD_CONFLICT.into(),
                 message: String::new(),
+                attempt: None,
             },
             Outcome::Unrecorded {
                 error: String::new(),
