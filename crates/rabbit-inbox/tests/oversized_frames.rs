@@ -3,11 +3,12 @@
 //! bytes on the wire with the frame's 7-byte header and end octet, and closes the producer's
 //! connection with `FRAME_ERROR` beyond (measured with this file's raw publisher: a payload of
 //! 131,072 bytes is confirmed, one of 131,073 refused as `{frame_too_large,131073,131064}`).
-//! The published lapin refused any frame over `frame_max` bytes in all (`FRAME-ERROR: frame too
-//! large`), so a message with a header frame of `frame_max + 1` to `frame_max + 8` bytes closed
-//! the consumer's connection, came back first on the next one, and stopped the queue for
-//! good. With `patches/lapin` each is parked under its own message id as `headers_too_large`,
-//! its parked copy without the oversized headers, and the queue goes on.
+//! Dead-lettering then adds `x-death` headers: such a message comes out of a retry tier as a
+//! frame of 131,409 bytes. The published lapin refused any frame over `frame_max` bytes in all
+//! (`FRAME-ERROR: frame too large`), so each of these messages closed the consumer's
+//! connection, came back first on the next one, and stopped the queue for good. With
+//! `patches/lapin` each is parked under its own message id as `headers_too_large`, its parked
+//! copy without the oversized headers, and the queue goes on.
 //!
 //! The messages are written as raw frames: lapin, as a producer, does not check the size of
 //! the header frame it sends, but the exact sizes are easiest to build by hand.
@@ -237,4 +238,46 @@ async fn a_parked_copy_without_its_oversized_headers_can_be_redriven() {
     assert_eq!((depths.work, depths.parking), (0, 0), "{depths:?}");
     let stats = running.stop().await;
     assert_eq!(stats.sessions, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_the_broker_grows_past_frame_max_while_dead_lettering_is_parked() {
+    let env = TestEnv::new().await;
+    let topology = env.topology("frames-grown");
+    let config = env.config("svc", topology.clone());
+    env.declare(&config).await;
+    // Through the first retry tier: its TTL dead-letters the message to the work queue, and
+    // the broker adds its x-death headers to a header that already fills the frame.
+    let tier = topology.retry_tier_queues(&config.retry)[0].clone();
+    let largest = tokio::task::spawn_blocking(move || {
+        let mut publisher = RawPublisher::connect();
+        let largest = Sized::new(publisher.frame_max, publisher.frame_max + 8);
+        publisher
+            .publish(&tier, &largest.content_header(), &largest.body())
+            .expect("accepted");
+        publisher.close();
+        largest
+    })
+    .await
+    .expect("raw publisher");
+    env.publish(&topology, &thing("after", 1)).await;
+
+    let (handler, _plan) = env.handler();
+    let running = env.start(config, handler);
+    env.wait_for_record("svc", &largest.id, "parked", |r| {
+        r.status == InboxStatus::PermanentFailed
+    })
+    .await;
+    env.wait_for_record("svc", "after", "processed", |r| {
+        r.status == InboxStatus::Processed
+    })
+    .await;
+    let parked = env.take_parked(&topology, 1).await;
+    assert_eq!(parked.len(), 1);
+    assert_eq!(
+        header(&parked[0], parking_headers::ERROR_CODE),
+        Some("headers_too_large")
+    );
+    let stats = running.stop().await;
+    assert_eq!(stats.sessions, 1, "one session: never torn down");
 }
