@@ -27,6 +27,35 @@ const FRAME_OVERHEAD: usize = 8;
 /// entries the broker adds on the way through the retry tiers.
 const COPY_HEADROOM: usize = 8 * 1024;
 
+/// Whether header `name` is one the broker adds when it dead-letters a message.
+fn added_by_dead_lettering(name: &str) -> bool {
+    name == "x-death" || name.starts_with("x-first-death-") || name.starts_with("x-last-death-")
+}
+
+/// Bytes of the content header frame payload that carries `properties` without the headers
+/// the broker added when dead-lettering: what the producer sent, which [`too_large_to_copy`]
+/// judges (its headroom covers what dead-lettering adds, so a message that passed once still
+/// passes when it comes back from a retry tier).
+pub(super) fn producer_header_len(properties: &BasicProperties) -> usize {
+    let Some(headers) = properties.headers() else {
+        return content_header_len(properties);
+    };
+    if !headers
+        .inner()
+        .keys()
+        .any(|name| added_by_dead_lettering(name.as_str()))
+    {
+        return content_header_len(properties);
+    }
+    let mut own = FieldTable::default();
+    for (name, value) in headers.inner() {
+        if !added_by_dead_lettering(name.as_str()) {
+            own.insert(name.clone(), value.clone());
+        }
+    }
+    content_header_len(&properties.clone().with_headers(own))
+}
+
 /// Bytes of the content header frame payload that carries `properties`.
 pub(super) fn content_header_len(properties: &BasicProperties) -> usize {
     // Written to a buffer that grows, so it cannot run out of room; a failure counts as too
@@ -46,18 +75,20 @@ fn copy_limit(frame_max: u32) -> usize {
     }
 }
 
-/// Why a delivery whose content header payload is `header_len` bytes cannot be copied whole
-/// on a connection with `frame_max`: its header leaves less than the room a copy's own
-/// headers need. `None` when it can.
+/// Why a delivery whose content header payload is `header_len` bytes as its producer sent it
+/// ([`producer_header_len`]) cannot be copied whole on a connection with `frame_max`: its
+/// header leaves less than the room a copy's own headers and dead-lettering's need. `None`
+/// when it can.
 pub(crate) fn too_large_to_copy(header_len: usize, frame_max: u32) -> Option<String> {
     let limit = copy_limit(frame_max);
     // A small frame_max cannot spare the full headroom.
     let room = COPY_HEADROOM.min(limit / 2);
     (header_len > limit.saturating_sub(room)).then(|| {
         format!(
-            "the content header is {header_len} bytes, and a retry or parking copy must fit \
-             in frame_max ({frame_max} bytes) with {room} bytes of x-inbox-* headers: too \
-             large to republish, so the parked copy goes without the largest headers ({})",
+            "the content header is {header_len} bytes as sent, and a retry or parking copy \
+             must fit in frame_max ({frame_max} bytes) with {room} bytes of x-inbox-* \
+             headers: too large to republish, so the parked copy goes without the largest \
+             headers ({})",
             parking_headers::HEADERS_DROPPED
         )
     })
@@ -189,6 +220,19 @@ mod tests {
         assert_eq!(too_large_to_copy(1000, 4096), None);
         assert!(too_large_to_copy(3000, 4096).is_some());
         assert_eq!(too_large_to_copy(usize::MAX / 2, 0), None, "no limit");
+    }
+
+    #[test]
+    fn what_dead_lettering_added_is_not_the_producers() {
+        let sent = with_headers(&[("pad", 100_000)]);
+        let mut headers = sent.headers().clone().unwrap_or_default();
+        for name in ["x-death", "x-first-death-queue", "x-last-death-reason"] {
+            headers.insert(name.into(), long_string(&"d".repeat(300)));
+        }
+        let returned = sent.clone().with_headers(headers);
+        assert!(content_header_len(&returned) > content_header_len(&sent) + 900);
+        assert_eq!(producer_header_len(&returned), content_header_len(&sent));
+        assert_eq!(producer_header_len(&sent), content_header_len(&sent));
     }
 
     #[test]

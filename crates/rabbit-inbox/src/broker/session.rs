@@ -22,6 +22,8 @@ pub(crate) struct PendingDelivery {
     pub(super) received_at: Instant,
     /// Bytes of its content header frame's payload (properties and headers).
     header_len: usize,
+    /// The same, without the headers dead-lettering added: what the producer sent.
+    producer_header_len: usize,
     /// The connection's `frame_max`.
     frame_max: u32,
 }
@@ -36,11 +38,13 @@ impl PendingDelivery {
         message.body = body;
         let received_at = Instant::now();
         let header_len = frames::content_header_len(&delivery.properties);
+        let producer_header_len = frames::producer_header_len(&delivery.properties);
         (
             Self {
                 delivery,
                 received_at,
                 header_len,
+                producer_header_len,
                 frame_max,
             },
             message,
@@ -64,7 +68,7 @@ impl PendingDelivery {
     /// Why a retry or parking copy of this delivery could not carry all of its headers within
     /// the broker's `frame_max`; `None` when it can.
     pub(crate) fn too_large_to_copy(&self) -> Option<String> {
-        frames::too_large_to_copy(self.header_len, self.frame_max)
+        frames::too_large_to_copy(self.producer_header_len, self.frame_max)
     }
 }
 
