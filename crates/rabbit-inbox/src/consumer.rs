@@ -10,6 +10,7 @@
 //! consumption instead of growing memory.
 
 use std::{
+    collections::HashMap,
     future::Future,
     hash::{DefaultHasher, Hash, Hasher},
     marker::PhantomData,
@@ -24,12 +25,13 @@ use crate::{
     backoff::Backoff,
     broker::{self, PendingDelivery, Session, Settler},
     config::ConsumerConfig,
-    envelope::{self, AmqpMessage},
+    envelope::{self, AmqpMessage, InvalidMessage, InvalidReason},
     error::{ConfigError, ConsumerError},
     handler::{BatchHandler, Handler, PerMessage},
     lease::{LeaseConfig, Leased, LeasedHandler, LeasedProcessor},
     outbox::{Relay, RelayConfig},
     processor::{Outcome, Parsed, Process, Processor},
+    session_loss::{DeliverySummary, SessionLosses},
     stats::ConsumerStats,
     telemetry::{self, sampler::Sampler},
 };
@@ -52,7 +54,8 @@ type Work = (PendingDelivery, Parsed, tracing::Span);
 
 enum SessionEnd {
     Shutdown,
-    Lost(String),
+    /// Lost with this error, leaving these deliveries unsettled.
+    Lost(String, Vec<DeliverySummary>),
 }
 
 impl<H: Handler> Consumer<PerMessage<H>> {
@@ -249,6 +252,8 @@ impl<H> Consumer<H> {
             self.config.reconnect_initial_delay,
             self.config.reconnect_max_delay,
         );
+        // A session that lived through the longest back-off was healthy, as for the back-off.
+        let mut losses = SessionLosses::new(self.config.reconnect_max_delay);
         loop {
             let opened = tokio::select! {
                 biased;
@@ -260,10 +265,15 @@ impl<H> Consumer<H> {
                     self.stats.record_session();
                     tracing::info!(queue = %self.config.topology.queue, consumer = %self.config.consumer_name, "consuming");
                     let began = Instant::now();
-                    let SessionEnd::Lost(reason) = self.session(session, &mut shutdown).await
+                    let SessionEnd::Lost(reason, unsettled) =
+                        self.session(session, &mut shutdown).await
                     else {
                         return Ok(());
                     };
+                    // A delivery the library cannot get past ends every session it reaches;
+                    // the same error or the same unsettled delivery again says so.
+                    let repeats = losses.lost(&reason, began.elapsed(), &unsettled);
+                    self.stats.record_session_loss(&repeats);
                     // Only a session that lived through the longest back-off resets it: one
                     // that dies right away (a delivery that breaks it, a broker that closes
                     // it) must not make reconnecting a hot loop.
@@ -364,15 +374,21 @@ impl<H> Consumer<H> {
         }
 
         let settler = session.settler();
-        let end = loop {
+        // Deliveries received and perhaps not settled yet, to name those a lost session leaves
+        // unsettled. Pruned against the settler: prefetch bounds the unsettled ones.
+        let mut in_hand: HashMap<u64, DeliverySummary> = HashMap::new();
+        let prune_above = 2 * usize::from(self.config.prefetch).max(512);
+        let mut prune_at = prune_above;
+        // `None`: shut down; else why the session was lost.
+        let lost = loop {
             let next = tokio::select! {
                 biased;
                 () = shutdown.as_mut() => {
                     session.cancel().await;
-                    break SessionEnd::Shutdown;
+                    break None;
                 }
                 () = broken.notified() => {
-                    break SessionEnd::Lost("deliveries could not be settled".into());
+                    break Some("deliveries could not be settled".to_owned());
                 }
                 // A lane ends only when its channel closes, so an early end is a crash: its
                 // deliveries are unsettled and would hold back every later multiple-ack.
@@ -382,23 +398,49 @@ impl<H> Consumer<H> {
                         Ok(()) => "a lane stopped".to_owned(),
                     };
                     tracing::error!(%reason, "lane ended while consuming; reconnecting so its deliveries return");
-                    break SessionEnd::Lost(reason);
+                    break Some(reason);
                 }
                 next = session.next_delivery() => next,
             };
             let (pending, message) = match next {
                 Some(Ok(delivery)) => delivery,
-                Some(Err(e)) => break SessionEnd::Lost(e.to_string()),
-                None => break SessionEnd::Lost("consumer cancelled or connection closed".into()),
+                Some(Err(e)) => break Some(e.to_string()),
+                None => break Some("consumer cancelled or connection closed".to_owned()),
             };
             self.stats.record_received(1);
             settler.register(&pending).await;
-            let parsed = parse(message, &self.config);
+            let message_id = message.message_id.clone();
+            let body_bytes = message.body.len();
+            let parsed = parse(message, &pending, &self.config);
+            let envelope = envelope_of(&parsed);
+            if in_hand.len() >= prune_at {
+                let unsettled = settler.unsettled().await;
+                in_hand.retain(|tag, _| unsettled.contains(tag));
+                // Amortised: many unsettled at once (lanes × batches) must not prune each time.
+                prune_at = prune_above.max(2 * in_hand.len());
+            }
+            in_hand.insert(
+                pending.tag(),
+                DeliverySummary {
+                    inbox_key: envelope.message_id.clone(),
+                    message_id,
+                    delivery_tag: pending.tag(),
+                    redelivered: pending.redelivered(),
+                    message_type: envelope.message_type.clone(),
+                    header_bytes: pending.header_len(),
+                    body_bytes,
+                },
+            );
+            // Injected: this delivery ends its session, as a connection error would.
+            #[cfg(feature = "fault-injection")]
+            if self.faults.should_drop_on_receipt(&envelope.message_id) {
+                broker::drop_connection(&session.connection()).await;
+            }
             let span =
                 telemetry::trace::delivery_span(&self.config.consumer_name, envelope_of(&parsed));
             let lane = lane_of(&parsed, senders.len());
             if senders[lane].send((pending, parsed, span)).await.is_err() {
-                break SessionEnd::Lost("a lane stopped".into());
+                break Some("a lane stopped".to_owned());
             }
         };
 
@@ -409,10 +451,18 @@ impl<H> Consumer<H> {
                 tracing::error!(error = %e, "lane task failed");
             }
         }
-        if matches!(end, SessionEnd::Shutdown) {
+        let Some(reason) = lost else {
             session.close().await;
-        }
-        end
+            return SessionEnd::Shutdown;
+        };
+        // What the drain could not settle goes back to the broker, which hands it out again.
+        let unsettled = settler.unsettled().await;
+        let mut left: Vec<DeliverySummary> = in_hand
+            .into_values()
+            .filter(|d| unsettled.contains(&d.delivery_tag))
+            .collect();
+        left.sort_by_key(|d| d.delivery_tag);
+        SessionEnd::Lost(reason, left)
     }
 }
 
@@ -435,8 +485,12 @@ pub async fn shutdown_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-fn parse(message: AmqpMessage, config: &ConsumerConfig) -> Parsed {
+fn parse(message: AmqpMessage, pending: &PendingDelivery, config: &ConsumerConfig) -> Parsed {
     let parsed = envelope::parse(message, &config.envelope);
+    let parsed = match pending.too_large_to_copy() {
+        None => parsed,
+        Some(detail) => refuse_uncopyable(parsed, detail),
+    };
     if let Err(invalid) = &parsed {
         tracing::warn!(
             code = invalid.reason.code(),
@@ -446,6 +500,27 @@ fn parse(message: AmqpMessage, config: &ConsumerConfig) -> Parsed {
         );
     }
     parsed
+}
+
+/// A delivery whose header leaves no room in a frame for a copy's `x-inbox-*` headers is
+/// refused as `headers_too_large`, under the key it parsed to: a retry copy could not carry
+/// its headers, and its parked copy goes without the largest of them. One already invalid for
+/// another reason keeps that reason; its detail says this too.
+fn refuse_uncopyable(parsed: Parsed, detail: String) -> Parsed {
+    match parsed {
+        Ok(mut envelope) => {
+            envelope.payload = serde_json::Value::Null;
+            Err(Box::new(InvalidMessage {
+                reason: InvalidReason::HeadersTooLarge,
+                detail,
+                envelope,
+            }))
+        }
+        Err(mut invalid) => {
+            invalid.detail = format!("{}; {detail}", invalid.detail);
+            Err(invalid)
+        }
+    }
 }
 
 fn envelope_of(item: &Parsed) -> &crate::Envelope {

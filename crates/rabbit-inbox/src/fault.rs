@@ -1,7 +1,11 @@
 //! Fault injection for tests and demos (feature `fault-injection`): drop the broker connection
-//! after a batch commits and before it is acked, the crash window the inbox exists for.
+//! after a batch commits and before it is acked, the crash window the inbox exists for; or when
+//! a given message is received, as a delivery that breaks every session it reaches would.
 
-use std::{collections::HashSet, sync::Mutex};
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{Mutex, PoisonError},
+};
 
 use crate::processor::{Outcome, Parsed};
 
@@ -9,6 +13,7 @@ use crate::processor::{Outcome, Parsed};
 #[derive(Debug, Default)]
 pub struct FaultPlan {
     drop_after_commit: Mutex<HashSet<String>>,
+    drop_on_receipt: Mutex<HashMap<String, u32>>,
 }
 
 impl FaultPlan {
@@ -26,7 +31,31 @@ impl FaultPlan {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
         self.drop_after_commit
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Close the connection as soon as a delivery with inbox key `message_id` is received, the
+    /// next `times` times it is (the delivery is then processed on a closed connection, and
+    /// comes back).
+    pub fn drop_connection_on_receipt_of(&self, message_id: impl Into<String>, times: u32) {
+        self.drop_on_receipt
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(message_id.into(), times);
+    }
+
+    pub(crate) fn should_drop_on_receipt(&self, message_id: &str) -> bool {
+        let mut planned = self
+            .drop_on_receipt
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match planned.get_mut(message_id) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                true
+            }
+            _ => false,
+        }
     }
 
     pub(crate) fn should_drop_after_commit(&self, parsed: &[Parsed], outcomes: &[Outcome]) -> bool {

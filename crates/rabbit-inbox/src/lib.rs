@@ -55,6 +55,7 @@ mod processor;
 mod retention;
 pub mod roles;
 mod schema;
+mod session_loss;
 mod stats;
 mod store;
 pub mod telemetry;

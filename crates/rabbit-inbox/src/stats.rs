@@ -37,6 +37,7 @@ pub struct ConsumerStats {
     settle_failures: AtomicU64,
     settled: AtomicU64,
     sessions: AtomicU64,
+    repeated_session_losses: AtomicU64,
     /// The `consumer` label of the exported metrics.
     consumer: SharedString,
     types: MessageTypeLabels,
@@ -61,6 +62,9 @@ pub struct StatsSnapshot {
     pub settle_failures: u64,
     /// Broker sessions opened (1 + reconnects).
     pub sessions: u64,
+    /// Lost broker sessions that ended with the same error as the loss before, or left a
+    /// delivery unsettled that the loss before had left unsettled too.
+    pub repeated_session_losses: u64,
     /// Median delivery-to-settlement latency (receipt to ack, reject or park).
     pub latency_p50: Duration,
     /// 99th percentile of the same.
@@ -89,6 +93,7 @@ impl ConsumerStats {
             settle_failures: AtomicU64::default(),
             settled: AtomicU64::default(),
             sessions: AtomicU64::default(),
+            repeated_session_losses: AtomicU64::default(),
             // Shared, so that each label clone is a reference count, not a copy.
             consumer: SharedString::from_shared(std::sync::Arc::from(consumer)),
             types: MessageTypeLabels::new(telemetry),
@@ -210,6 +215,19 @@ impl ConsumerStats {
         self.sessions.fetch_add(1, Relaxed);
     }
 
+    /// Counts a lost session that repeated the loss before it.
+    pub(crate) fn record_session_loss(&self, repeats: &crate::session_loss::Repeats) {
+        let mut repeated = false;
+        for cause in repeats.causes() {
+            repeated = true;
+            metrics::counter!(m::REPEATED_SESSION_LOSSES, "consumer" => self.consumer.clone(), "cause" => cause)
+                .increment(1);
+        }
+        if repeated {
+            self.repeated_session_losses.fetch_add(1, Relaxed);
+        }
+    }
+
     /// Deliveries settled with the broker (acked, rejected into the retry queue, parked,
     /// requeued). Cheaper than [`ConsumerStats::snapshot`], for polling.
     pub fn settled(&self) -> u64 {
@@ -240,6 +258,7 @@ impl ConsumerStats {
             unrecorded: self.unrecorded.load(Relaxed),
             settle_failures: self.settle_failures.load(Relaxed),
             sessions: self.sessions.load(Relaxed),
+            repeated_session_losses: self.repeated_session_losses.load(Relaxed),
         }
     }
 }

@@ -10,69 +10,14 @@
 #[allow(dead_code)]
 mod util;
 
-use std::{
-    io::{Read, Write},
-    net::TcpStream,
-    time::Duration,
-};
+// Shared with oversized_frames.rs; not every helper is used here.
+#[allow(dead_code)]
+mod raw_amqp;
 
 use rabbit_inbox::{AmqpMessage, HEADER_TOO_DEEP, InboxStatus, MAX_HEADER_DEPTH, parking_headers};
+use raw_amqp::{RawPublisher, content_header, frame, long_bytes, short_string};
 use serde_json::Value;
-use util::{TestEnv, amqp_url, header, thing};
-
-/// Where and as whom the raw publisher connects, from the test AMQP URL.
-struct Endpoint {
-    address: String,
-    user: String,
-    password: String,
-    vhost: String,
-}
-
-fn endpoint() -> Endpoint {
-    let url = amqp_url();
-    let rest = url.strip_prefix("amqp://").expect("an amqp:// URL");
-    let (credentials, rest) = rest.split_once('@').unwrap_or(("guest:guest", rest));
-    let (user, password) = credentials.split_once(':').unwrap_or((credentials, ""));
-    let (address, vhost) = rest.split_once('/').unwrap_or((rest, ""));
-    let vhost = match vhost.replace("%2f", "/").replace("%2F", "/") {
-        v if v.is_empty() => "/".to_owned(),
-        v => v,
-    };
-    let address = if address.contains(':') {
-        address.to_owned()
-    } else {
-        format!("{address}:5672")
-    };
-    Endpoint {
-        address,
-        user: user.to_owned(),
-        password: password.to_owned(),
-        vhost,
-    }
-}
-
-fn short_string(s: &str) -> Vec<u8> {
-    let len = u8::try_from(s.len()).expect("a short string");
-    [&[len][..], s.as_bytes()].concat()
-}
-
-fn long_bytes(b: &[u8]) -> Vec<u8> {
-    let len = u32::try_from(b.len()).expect("fits");
-    [&len.to_be_bytes()[..], b].concat()
-}
-
-fn frame(kind: u8, channel: u16, payload: &[u8]) -> Vec<u8> {
-    let mut f = vec![kind];
-    f.extend_from_slice(&channel.to_be_bytes());
-    f.extend_from_slice(&long_bytes(payload));
-    f.push(0xce);
-    f
-}
-
-fn method(channel: u16, class: u16, id: u16, args: &[u8]) -> Vec<u8> {
-    let payload = [&class.to_be_bytes()[..], &id.to_be_bytes(), args].concat();
-    frame(1, channel, &payload)
-}
+use util::{TestEnv, header, thing};
 
 /// How the deep header nests.
 #[derive(Clone, Copy, Debug)]
@@ -118,10 +63,8 @@ impl DeepMessage {
         format!(r#"{{"id":"{}","n":1}}"#, self.id).into_bytes()
     }
 
-    /// The content header frame's payload: basic class, body size, and the properties
-    /// content-type, headers (`deep`, then `x-aggregate-id`), delivery-mode and message-id.
+    /// The content header frame's payload: the headers `deep`, then `x-aggregate-id`.
     fn content_header(&self) -> Vec<u8> {
-        let flags: u16 = (1 << 15) | (1 << 13) | (1 << 12) | (1 << 7);
         let headers = [
             &short_string("deep")[..],
             &self.nesting.value(self.levels),
@@ -130,18 +73,7 @@ impl DeepMessage {
             &long_bytes(b"o-1"),
         ]
         .concat();
-        let body_len = u64::try_from(self.body().len()).expect("fits");
-        [
-            &60u16.to_be_bytes()[..],
-            &0u16.to_be_bytes(),
-            &body_len.to_be_bytes(),
-            &flags.to_be_bytes(),
-            &short_string("application/json"),
-            &long_bytes(&headers),
-            &[2],
-            &short_string(&self.id),
-        ]
-        .concat()
+        content_header(&self.id, &headers, self.body().len())
     }
 
     /// The deepest nesting whose content header frame still fits in `frame_max`.
@@ -162,120 +94,6 @@ impl DeepMessage {
             nesting,
             levels,
         }
-    }
-}
-
-/// A bare AMQP 0-9-1 connection with one confirm-mode channel, speaking raw frames.
-struct RawPublisher {
-    stream: TcpStream,
-    frame_max: usize,
-}
-
-impl RawPublisher {
-    fn connect() -> Self {
-        let e = endpoint();
-        let stream = TcpStream::connect(&e.address).expect("RabbitMQ is reachable");
-        stream
-            .set_read_timeout(Some(Duration::from_secs(30)))
-            .expect("timeout");
-        let mut p = RawPublisher {
-            stream,
-            frame_max: 0,
-        };
-        p.send(b"AMQP\x00\x00\x09\x01");
-        p.expect_method(10, 10); // connection.start
-        let response = format!("\0{}\0{}", e.user, e.password);
-        let start_ok = [
-            &long_bytes(b"")[..],
-            &short_string("PLAIN"),
-            &long_bytes(response.as_bytes()),
-            &short_string("en_US"),
-        ]
-        .concat();
-        p.send(&method(0, 10, 11, &start_ok));
-        let tune = p.expect_method(10, 30);
-        let channel_max = u16::from_be_bytes([tune[0], tune[1]]);
-        let frame_max = u32::from_be_bytes([tune[2], tune[3], tune[4], tune[5]]);
-        p.frame_max = usize::try_from(frame_max).expect("fits");
-        let tune_ok = [
-            &channel_max.to_be_bytes()[..],
-            &frame_max.to_be_bytes(),
-            &0u16.to_be_bytes(),
-        ]
-        .concat();
-        p.send(&method(0, 10, 31, &tune_ok));
-        let open = [&short_string(&e.vhost)[..], &short_string(""), &[0]].concat();
-        p.send(&method(0, 10, 40, &open));
-        p.expect_method(10, 41);
-        p.send(&method(1, 20, 10, &short_string("")));
-        p.expect_method(20, 11);
-        p.send(&method(1, 85, 10, &[0])); // confirm.select
-        p.expect_method(85, 11);
-        p
-    }
-
-    fn send(&mut self, bytes: &[u8]) {
-        self.stream.write_all(bytes).expect("write to RabbitMQ");
-    }
-
-    /// The next frame: (type, payload).
-    fn read_frame(&mut self) -> (u8, Vec<u8>) {
-        let mut head = [0u8; 7];
-        self.stream.read_exact(&mut head).expect("a frame");
-        let len = u32::from_be_bytes([head[3], head[4], head[5], head[6]]);
-        let mut payload = vec![0u8; usize::try_from(len).expect("fits") + 1];
-        self.stream.read_exact(&mut payload).expect("a frame body");
-        payload.pop();
-        (head[0], payload)
-    }
-
-    /// Reads up to the next method frame, which must be `class.id`; returns its arguments.
-    fn expect_method(&mut self, class: u16, id: u16) -> Vec<u8> {
-        loop {
-            let (kind, payload) = self.read_frame();
-            if kind != 1 {
-                continue;
-            }
-            let got = (
-                u16::from_be_bytes([payload[0], payload[1]]),
-                u16::from_be_bytes([payload[2], payload[3]]),
-            );
-            assert_eq!(
-                got,
-                (class, id),
-                "unexpected method: {:?}",
-                String::from_utf8_lossy(&payload)
-            );
-            return payload[4..].to_vec();
-        }
-    }
-
-    /// Publishes `m` to `queue` through the default exchange and waits for the broker's
-    /// confirm.
-    fn publish(&mut self, queue: &str, m: &DeepMessage) {
-        let header = frame(2, 1, &m.content_header());
-        assert!(header.len() <= self.frame_max, "header frame too large");
-        let publish = [
-            &0u16.to_be_bytes()[..],
-            &short_string(""),
-            &short_string(queue),
-            &[0],
-        ]
-        .concat();
-        let bytes = [method(1, 60, 40, &publish), header, frame(3, 1, &m.body())].concat();
-        self.send(&bytes);
-        self.expect_method(60, 80); // basic.ack
-    }
-
-    fn close(mut self) {
-        let close = [
-            &200u16.to_be_bytes()[..],
-            &short_string("bye"),
-            &[0, 0, 0, 0],
-        ]
-        .concat();
-        self.send(&method(0, 10, 50, &close));
-        self.expect_method(10, 51);
     }
 }
 
@@ -326,18 +144,17 @@ async fn header_nesting_as_deep_as_a_frame_allows_is_parked_and_the_consumer_sur
                 levels: MAX_HEADER_DEPTH,
             },
         ];
-        for m in &deep {
-            publisher.publish(&queue, m);
-        }
         // At the bound: accepted.
-        publisher.publish(
-            &queue,
-            &DeepMessage {
-                id: "at-the-bound".into(),
-                nesting: Nesting::Arrays,
-                levels: MAX_HEADER_DEPTH - 1,
-            },
-        );
+        let at_the_bound = DeepMessage {
+            id: "at-the-bound".into(),
+            nesting: Nesting::Arrays,
+            levels: MAX_HEADER_DEPTH - 1,
+        };
+        for m in deep.iter().chain([&at_the_bound]) {
+            publisher
+                .publish(&queue, &m.content_header(), &m.body())
+                .expect("confirmed");
+        }
         publisher.close();
         (frame_max, deep)
     })

@@ -699,6 +699,7 @@ fn the_catalog_names_every_metric_once() {
         m::REPEATED_REQUEUES,
         m::STALE_LEASE_RECOVERIES,
         m::RETENTION_DELETED,
+        m::REPEATED_SESSION_LOSSES,
         m::DELIVERY_TO_SETTLE,
         m::PROCESSING_AGE,
         m::ATTEMPTS,

@@ -11,6 +11,8 @@
 //! - [`session`]: the consumer runtime's connections, its deliveries.
 //! - [`settle`]: [`Settler`], the one place that acks or nacks.
 //! - [`headers`]: AMQP header tables to and from JSON.
+//! - [`frames`]: the size of a content header frame: whether a delivery can be copied whole,
+//!   and copies cut to fit in `frame_max`.
 //! - [`parking`]: [`ParkingLot`], reading a parking lot and moving parked copies back to the
 //!   work queue (redrive).
 //! - [`confirmed`]: the outbox relay's link: mandatory publishes, a confirm or a return per
@@ -24,6 +26,7 @@
 
 mod addresses;
 mod confirmed;
+mod frames;
 mod headers;
 mod management;
 mod parking;

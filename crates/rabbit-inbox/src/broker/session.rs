@@ -12,7 +12,7 @@ use lapin::{
 };
 
 use super::{
-    connect, headers::table_to_json, publish::Publisher, settle::Settler, topology::declare,
+    connect, frames, headers::table_to_json, publish::Publisher, settle::Settler, topology::declare,
 };
 use crate::{envelope::AmqpMessage, error::BrokerError};
 
@@ -20,20 +20,32 @@ use crate::{envelope::AmqpMessage, error::BrokerError};
 pub(crate) struct PendingDelivery {
     pub(super) delivery: Delivery,
     pub(super) received_at: Instant,
+    /// Bytes of its content header frame's payload (properties and headers).
+    header_len: usize,
+    /// The same, without the headers dead-lettering added: what the producer sent.
+    producer_header_len: usize,
+    /// The connection's `frame_max`.
+    frame_max: u32,
 }
 
 impl PendingDelivery {
-    /// Splits a lapin delivery into its broker handle and a broker-neutral message.
-    pub(crate) fn new(mut delivery: Delivery) -> (Self, AmqpMessage) {
+    /// Splits a lapin delivery, received on a connection with `frame_max`, into its broker
+    /// handle and a broker-neutral message.
+    pub(crate) fn new(mut delivery: Delivery, frame_max: u32) -> (Self, AmqpMessage) {
         // Move the body out first, so it is not copied.
         let body = std::mem::take(&mut delivery.data);
         let mut message = amqp_message(&delivery);
         message.body = body;
         let received_at = Instant::now();
+        let header_len = frames::content_header_len(&delivery.properties);
+        let producer_header_len = frames::producer_header_len(&delivery.properties);
         (
             Self {
                 delivery,
                 received_at,
+                header_len,
+                producer_header_len,
+                frame_max,
             },
             message,
         )
@@ -41,6 +53,22 @@ impl PendingDelivery {
 
     pub(crate) fn tag(&self) -> u64 {
         self.delivery.delivery_tag
+    }
+
+    /// The broker's redelivered flag.
+    pub(crate) fn redelivered(&self) -> bool {
+        self.delivery.redelivered
+    }
+
+    /// Bytes of the content header frame's payload (properties and headers) it came with.
+    pub(crate) fn header_len(&self) -> usize {
+        self.header_len
+    }
+
+    /// Why a retry or parking copy of this delivery could not carry all of its headers within
+    /// the broker's `frame_max`; `None` when it can.
+    pub(crate) fn too_large_to_copy(&self) -> Option<String> {
+        frames::too_large_to_copy(self.producer_header_len, self.frame_max)
     }
 }
 
@@ -68,6 +96,8 @@ pub(crate) struct Session {
     deliveries: lapin::Consumer,
     settler: Arc<Settler>,
     publisher: Arc<Publisher>,
+    /// The consuming connection's negotiated `frame_max`.
+    frame_max: u32,
 }
 
 /// Whether a broker error is a configuration mismatch that retrying cannot fix (a queue
@@ -128,12 +158,19 @@ impl Session {
                 FieldTable::default(),
             )
             .await?;
+        let frame_max = connection.configuration().frame_max();
         Ok(Self {
             connection: Arc::new(connection),
             channel: channel.clone(),
-            settler: Arc::new(Settler::new(channel.clone(), publisher.clone(), config)),
+            settler: Arc::new(Settler::new(
+                channel.clone(),
+                publisher.clone(),
+                config,
+                frame_max,
+            )),
             deliveries,
             publisher,
+            frame_max,
         })
     }
 
@@ -143,7 +180,7 @@ impl Session {
         &mut self,
     ) -> Option<Result<(PendingDelivery, AmqpMessage), BrokerError>> {
         match self.deliveries.next().await? {
-            Ok(delivery) => Some(Ok(PendingDelivery::new(delivery))),
+            Ok(delivery) => Some(Ok(PendingDelivery::new(delivery, self.frame_max))),
             Err(e) => Some(Err(e.into())),
         }
     }

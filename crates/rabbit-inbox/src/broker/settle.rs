@@ -14,7 +14,7 @@ use lapin::{
     types::{AMQPValue, FieldTable},
 };
 
-use super::{headers::long_string, publish::Publisher, session::PendingDelivery};
+use super::{frames, headers::long_string, publish::Publisher, session::PendingDelivery};
 use crate::{
     backoff::Backoff,
     config::{ConsumerConfig, RetryPolicy},
@@ -49,6 +49,10 @@ pub mod parking_headers {
     /// The producer's `user-id` property. Copies do not carry it: the broker refuses a
     /// publish whose `user-id` is not the publishing connection's user.
     pub const ORIGINAL_USER_ID: &str = "x-inbox-original-user-id";
+    /// On a copy that could not carry all of the producer's headers within the broker's
+    /// `frame_max`: how many of them were dropped (the largest first) and their encoded size,
+    /// as a table `{count, bytes}`. The inbox row's error says so too.
+    pub const HEADERS_DROPPED: &str = "x-inbox-headers-dropped";
     /// On a copy sent to a retry tier: the attempt whose failure scheduled it. The copy that
     /// comes back with the row's current attempt is the scheduled retry and runs; other
     /// copies of the message that arrive before it is due are acked as duplicates.
@@ -69,6 +73,8 @@ pub(crate) struct Settler {
     retry: RetryPolicy,
     consumer: Arc<str>,
     publish_backoff: Backoff,
+    /// The broker's `frame_max`, which every copy's content header must fit in.
+    frame_max: u32,
 }
 
 /// Acks with `multiple=true`, but only over the contiguous prefix of delivery tags whose
@@ -122,11 +128,13 @@ struct Copy<'a> {
 }
 
 impl Settler {
-    /// A settler acking on the consuming `channel` and publishing copies through `publisher`.
+    /// A settler acking on the consuming `channel` and publishing copies through `publisher`,
+    /// each cut to fit in `frame_max`.
     pub(super) fn new(
         channel: Channel,
         publisher: Arc<Publisher>,
         config: &ConsumerConfig,
+        frame_max: u32,
     ) -> Self {
         Self {
             acks: AckTracker {
@@ -142,12 +150,25 @@ impl Settler {
                 config.reconnect_initial_delay,
                 config.reconnect_max_delay,
             ),
+            frame_max,
         }
     }
 
     /// Registers a delivery as outstanding. Called in delivery order, before processing.
     pub(crate) async fn register(&self, pending: &PendingDelivery) {
         self.acks.state.lock().await.pending.insert(pending.tag());
+    }
+
+    /// Delivery tags not settled with the broker yet: without an outcome, or acked only in
+    /// intent (the multiple-ack that would cover them did not go through).
+    pub(crate) async fn unsettled(&self) -> BTreeSet<u64> {
+        let state = self.acks.state.lock().await;
+        state
+            .pending
+            .iter()
+            .chain(state.ready.keys())
+            .copied()
+            .collect()
     }
 
     /// The delay of the retry tier a message whose attempt `attempt` failed goes to.
@@ -252,6 +273,18 @@ impl Settler {
                     }),
                 ),
             };
+            // A copy the broker would refuse would come back, and be refused, for ever.
+            let (properties, dropped) = frames::fit(properties, self.frame_max);
+            if dropped.count > 0 {
+                tracing::warn!(
+                    delivery_tag = pending.tag(),
+                    inbox_key = %envelope.message_id,
+                    dropped_headers = dropped.count,
+                    dropped_bytes = dropped.bytes,
+                    queue,
+                    "the copy would not fit in a frame; the largest headers are left out of it"
+                );
+            }
             copies.push(Copy {
                 pending,
                 queue,

@@ -2,8 +2,8 @@
 //!
 //! Metrics go through the `metrics` facade; nothing is recorded until the application installs
 //! a recorder (e.g. `metrics-exporter-prometheus`, as `inboxctl consume --metrics-addr` does).
-//! Labels are bounded: `consumer` (configured names), `schema` (the outbox's), `outcome`, `reason`, `status` and
-//! `result` (fixed sets below) and `message_type`, folded by [`MessageTypeLabels`] to the
+//! Labels are bounded: `consumer` (configured names), `schema` (the outbox's), `outcome`, `reason`, `status`,
+//! `result` and `cause` (fixed sets below) and `message_type`, folded by [`MessageTypeLabels`] to the
 //! configured known types, the first [`crate::TelemetryConfig::max_message_types`] seen, and
 //! [`OTHER_TYPE`].
 
@@ -45,6 +45,16 @@ pub const STALE_LEASE_RECOVERIES: &str = "rabbit_inbox_stale_lease_recoveries_to
 /// `inboxctl cleanup`, the admin API's cleanup and `InboxStore::cleanup_processed_older_than`.
 /// Labels: `consumer`.
 pub const RETENTION_DELETED: &str = "rabbit_inbox_retention_deleted_total";
+
+/// Lost broker sessions that repeated the loss before them, a sign that one delivery stops
+/// the queue. Labels: `consumer`, `cause`: `same_error` (ended with the same error as the
+/// previous loss, and lived shorter than `reconnect_max_delay`), `same_delivery` (left a
+/// delivery unsettled that the previous loss had left unsettled too; the log names it).
+pub const REPEATED_SESSION_LOSSES: &str = "rabbit_inbox_repeated_session_losses_total";
+/// The `cause` label of [`REPEATED_SESSION_LOSSES`]: the same error as the previous loss.
+pub const SAME_ERROR: &str = "same_error";
+/// The `cause` label of [`REPEATED_SESSION_LOSSES`]: the same delivery unsettled.
+pub const SAME_DELIVERY: &str = "same_delivery";
 
 /// Receipt to settlement (ack, retry copy, park, requeue). Labels: `consumer`.
 pub const DELIVERY_TO_SETTLE: &str = "rabbit_inbox_delivery_to_settle_seconds";
@@ -187,6 +197,10 @@ pub fn describe() {
         "Stale PROCESSING rows taken over by this consumer"
     );
     describe_counter!(RETENTION_DELETED, "PROCESSED rows deleted by retention");
+    describe_counter!(
+        REPEATED_SESSION_LOSSES,
+        "Lost broker sessions that repeated the previous loss's error or unsettled delivery"
+    );
     describe_histogram!(
         DELIVERY_TO_SETTLE,
         Unit::Seconds,
