@@ -672,7 +672,7 @@ impl Run<'_> {
     ) -> Result<(), OpsError> {
         let mut actor = Actor::new(actor, reason)?;
         if let Some(ticket) = ticket {
-            actor = actor.with_ticket(ticket);
+            actor = actor.with_ticket(ticket)?;
         }
         super::audit(
             self.conn,
