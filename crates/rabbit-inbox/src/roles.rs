@@ -96,9 +96,7 @@ impl AuditWriter {
             | "forced_replay"
             | "redrive"
             | "redrive_drop_processed"
-            | "redrive_drop_redriven" => {
-                AuditWriter::Operation
-            }
+            | "redrive_drop_redriven" => AuditWriter::Operation,
             "payload_read" => AuditWriter::Read,
             _ => return None,
         })

@@ -34,7 +34,6 @@ pub const OPEN_STATUSES: [InboxStatus; 5] = [
     InboxStatus::ManualReview,
 ];
 
-
 /// The window of the "last hour" counters of [`StatusReport`].
 const RECENT: Duration = Duration::from_secs(3600);
 
