@@ -218,9 +218,12 @@ async fn the_dashboard_previews_and_runs_a_redrive_from_a_parked_message() {
         screenshot.canonicalize().unwrap_or(screenshot).display()
     );
 
-    // The preview changed nothing.
+    // Showing the payload was audited; the preview changed nothing and wrote nothing.
     assert_eq!(fx.depths().await.parking, 2);
-    assert!(fx.audit().await.is_empty());
+    let audit = fx.audit().await;
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(audit[0].1, "payload_read", "{audit:?}");
+    assert!(audit[0].0.contains("alice"), "{audit:?}");
 
     // The redrive itself: both copies back in the work queue, each audited under the
     // token's name with the reason typed in.
@@ -235,7 +238,12 @@ async fn the_dashboard_previews_and_runs_a_redrive_from_a_parked_message() {
     assert!(done.contains("moved 2"), "{done}");
     let depths = fx.depths().await;
     assert_eq!((depths.parking, depths.work), (0, 2), "{depths:?}");
-    let audit = fx.audit().await;
+    let audit: Vec<_> = fx
+        .audit()
+        .await
+        .into_iter()
+        .filter(|(_, action, _, _)| action != "payload_read")
+        .collect();
     assert_eq!(audit.len(), 2, "{audit:?}");
     for (actor, _, _, reason) in &audit {
         assert!(actor.contains("alice"), "{audit:?}");
