@@ -101,9 +101,9 @@ async fn wait_for_text(client: &Client, css: &str, want: &str) -> String {
 async fn the_dashboard_previews_and_runs_a_redrive_from_a_parked_message() {
     let (Some(chromium), Some(chromedriver)) = (on_path("chromium"), on_path("chromedriver"))
     else {
-        eprintln!(
-            "SKIPPED: chromium and chromedriver are not both installed \
-             (apt-get install -y chromium chromium-driver)"
+        inbox_testkit::missing(
+            "chromium and chromedriver",
+            "apt-get install -y chromium chromium-driver",
         );
         return;
     };

@@ -1,7 +1,7 @@
 //! `inbox-bench`: measures, in one process against the local servers, the broker's ceiling,
 //! the textbook inbox recipe, and rabbit-inbox with a per-message and a batch handler, all on
 //! the same workload and the same business effect (one history row per message), and checks
-//! exactly-once after every run. `inboxctl bench` is its command line.
+//! exactly-once after every run. `inbox-lab bench` is its command line.
 
 mod baseline;
 pub mod outbox;

@@ -1,4 +1,4 @@
-//! The outbox benchmark behind `inboxctl bench --modes outbox`: in one process, on one queue,
+//! The outbox benchmark behind `inbox-lab bench --modes outbox`: in one process, on one queue,
 //! the same messages go out
 //!
 //! - through a plain confirmed publisher (the baseline: `Broker::publish_batch`, 512 confirms

@@ -1,4 +1,4 @@
-//! `inboxctl chaos`: several consumer processes on one queue while consumers are SIGKILLed and
+//! `inbox-lab chaos`: several consumer processes on one queue while consumers are SIGKILLed and
 //! restarted, broker connections are force-closed and PostgreSQL is restarted; then
 //! exactly-once and "nothing lost" are checked from the database and the broker.
 
@@ -30,7 +30,7 @@ use crate::{
 /// (on a cluster, every node's URL, comma-separated) in its environment. It must
 /// consume until SIGTERM, then drain and exit 0, and exit with 2 when a server is unreachable
 /// at start-up. It emits `OrderPaid` to the events exchange through its outbox and relays the
-/// outbox itself (`inboxctl consume --relay`), so a kill also kills a relay mid-flight.
+/// outbox itself (`inbox-lab consume --relay`), so a kill also kills a relay mid-flight.
 #[derive(Clone, Debug)]
 pub struct ConsumerCommand {
     pub program: PathBuf,
@@ -66,7 +66,7 @@ pub struct ChaosArgs {
     /// With `--cluster`, a `rabbitmqctl` command is sent to a node that is up (`-n`).
     #[arg(
         long,
-        default_value = "rabbitmqctl -q close_all_connections --vhost '{vhost}' 'inboxctl chaos'"
+        default_value = "rabbitmqctl -q close_all_connections --vhost '{vhost}' 'inbox-lab chaos'"
     )]
     drop_connections_command: String,
     /// Shell command that restarts PostgreSQL.
@@ -307,7 +307,7 @@ async fn progress(
     let v = order_service::verify(pool, schema).await.ok()?;
     // A short-lived connection: the fault schedule closes every connection of the run, and a
     // held one would be closed (and logged by lapin as an error) at every drop.
-    let broker = rabbit_inbox::Broker::connect(&servers.amqp_url, "inboxctl chaos")
+    let broker = rabbit_inbox::Broker::connect(&servers.amqp_url, "inbox-lab chaos")
         .await
         .ok()?;
     let depths = broker
@@ -513,7 +513,7 @@ pub async fn run(
         .filter_map(|h| clap::ValueEnum::to_possible_value(h).map(|v| v.get_name().to_owned()))
         .collect();
     println!(
-        "replay with: inboxctl chaos --messages {} --seed {seed} --hostile '{}'",
+        "replay with: inbox-lab chaos --messages {} --seed {seed} --hostile '{}'",
         args.messages,
         kinds.join(",")
     );

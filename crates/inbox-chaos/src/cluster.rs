@@ -1,4 +1,4 @@
-//! The chaos run on a RabbitMQ cluster (`inboxctl chaos --cluster`): the nodes of the local
+//! The chaos run on a RabbitMQ cluster (`inbox-lab chaos --cluster`): the nodes of the local
 //! three-node cluster that `scripts/rabbitmq-cluster.sh` runs, node failures to inject (a
 //! SIGKILL of a node's process, `rabbitmqctl stop_app`), and a publisher that keeps publishing
 //! through them, with confirms, republishing whatever was not confirmed.
@@ -242,7 +242,7 @@ async fn publish_paced(
         tick.tick().await;
         let chunk = &messages[next..(next + per_tick).min(messages.len())];
         if broker.is_none() {
-            match rabbit_inbox::Broker::connect(amqp_url, "inboxctl chaos publisher").await {
+            match rabbit_inbox::Broker::connect(amqp_url, "inbox-lab chaos publisher").await {
                 Ok(b) => {
                     figures.reconnects += 1;
                     broker = Some(b);

@@ -1,4 +1,4 @@
-//! `inboxctl soak`: the example service at a steady rate for a set time, reporting resident
+//! `inbox-lab soak`: the example service at a steady rate for a set time, reporting resident
 //! memory and delivery-to-ack latency per interval; fails if memory keeps growing or the
 //! stream does not end exactly-once.
 

@@ -1,16 +1,12 @@
-//! `inboxctl`: operator CLI for rabbit-inbox. Thin glue over the library and the example
-//! service; each subcommand lives in its own module.
+//! `inboxctl`: the operator's tool for rabbit-inbox. Thin glue over the library; each
+//! subcommand lives in its own module.
 
 mod actor;
-mod bench;
-mod bench_retention;
 mod cleanup;
-mod demo;
 mod doctor;
 mod failures;
 mod grants;
 mod list;
-mod log_capture;
 mod outbox;
 mod recover;
 mod redrive;
@@ -19,17 +15,15 @@ mod report;
 mod serve;
 mod show;
 mod status;
-mod telemetry;
-mod when;
 
 use std::process::ExitCode;
 
-use anyhow::Context;
-use clap::{Args, Parser, Subcommand};
-use inbox_chaos::{Servers, chaos, connect, migrate_service, scenario, soak};
-use rabbit_inbox::{Consumer, RelayConfig, SchemaName};
+use clap::{Parser, Subcommand};
+use inboxctl::{Servers, connect, error_chain, telemetry, when};
+use rabbit_inbox::SchemaName;
 
-/// Operator CLI for rabbit-inbox: exactly-once RabbitMQ consumers on a PostgreSQL inbox.
+/// The operator's tool for rabbit-inbox (exactly-once RabbitMQ consumers on a PostgreSQL
+/// inbox): migrate, inspect, redrive, reopen, recover, clean up, check, relay and serve.
 #[derive(Parser)]
 #[command(version, about, long_about = None)]
 struct Cli {
@@ -41,60 +35,21 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Create the inbox schema and tables (and the example service's tables).
+    /// Create or update the inbox tables in a schema (the schema too if missing). Takes the
+    /// schema's lock, so any number of instances may run it at once. Creates nothing else:
+    /// a service migrates its own tables.
+    #[command(after_help = "Example:\n  inboxctl migrate --schema billing")]
     Migrate {
-        /// PostgreSQL schema for the inbox and the example's tables.
-        #[arg(long, env = "INBOX_SCHEMA", default_value = "order_service")]
+        /// PostgreSQL schema of the inbox.
+        #[arg(long, env = "INBOX_SCHEMA")]
         schema: String,
     },
-    /// Run the example order-service consumer until SIGINT/SIGTERM, then drain and exit. It
-    /// emits `OrderPaid` through its outbox; `--relay` also publishes the outbox in this process.
-    /// Optionally serves Prometheus metrics and exports delivery spans over OTLP.
-    Consume(ConsumeArgs),
-    /// Run the example shipping-service consumer (downstream of order-service's `OrderPaid`
-    /// events, with its own inbox) until SIGINT/SIGTERM.
-    ConsumeShipping(ShippingArgs),
     /// Run an outbox relay until SIGINT/SIGTERM: publish committed outbox rows with publisher
     /// confirms (returned = failed), under a lease, so any number of relays can run at once.
     Relay(outbox::RelayArgs),
     /// Show an outbox: pending and failed counts, the oldest pending row's age, and the pending
     /// and failed rows (a table, or --json); --requeue-failed puts FAILED rows back.
     Outbox(outbox::OutboxArgs),
-    /// Publish a stream of example messages (with duplicates, out-of-order payments and
-    /// poison messages) to the example service's exchange.
-    Publish {
-        #[command(flatten)]
-        service: ServiceArgs,
-        /// Orders to generate (each with an OrderPlaced and two payments).
-        #[arg(long, default_value_t = 10)]
-        orders: usize,
-        /// Seed for the stream (same seed, same messages and ids).
-        #[arg(long)]
-        seed: Option<u64>,
-    },
-    /// Check the example service's effects against its inbox: no payment applied twice, none
-    /// without a PROCESSED inbox row, paid totals consistent. Exit code 1 on a violation.
-    Verify {
-        /// PostgreSQL schema for the inbox and the example's tables.
-        #[arg(long, env = "INBOX_SCHEMA", default_value = "order_service")]
-        schema: String,
-    },
-    /// The main job: declare an isolated topology, publish a realistic stream, consume it with
-    /// the example service (including a crash between commit and ack), and check from the
-    /// database that every unique message's effect was applied exactly once.
-    Demo(demo::DemoArgs),
-    /// Measure throughput side by side: the broker ceiling, the textbook inbox recipe, and
-    /// rabbit-inbox with a per-message and a batch handler, each checked for exactly-once.
-    Bench(bench::BenchArgs),
-    /// The reliability run: several consumer processes on one queue while consumers are
-    /// SIGKILLed and restarted, broker connections are force-closed and PostgreSQL restarts;
-    /// then zero lost and zero double-applied are checked from the database and the broker.
-    /// Exit code 1 on a violation.
-    Chaos(chaos::ChaosArgs),
-    /// The example service at a steady rate for a set time: resident memory and latency
-    /// percentiles per interval; exit code 1 if memory keeps growing or effects are not
-    /// exactly-once.
-    Soak(soak::SoakArgs),
     /// Inbox status per consumer and status: row counts, age of the oldest unfinished row,
     /// stale PROCESSING rows, the last hour's failures, duplicates and payload conflicts, and
     /// (with --queue) the work queue's and parking lot's depths.
@@ -161,23 +116,17 @@ enum Command {
     /// consumers, one cleaner at a time. Refused (exit 1) when the dedup window is shorter
     /// than the redelivery horizon, unless forced with an actor and a reason (audited).
     #[command(after_help = "Examples:\n  \
-        inboxctl cleanup --schema order_service --consumer order-service --dry-run\n  \
-        inboxctl cleanup --schema order_service --consumer order-service \\\n    \
+        inboxctl cleanup --schema billing --consumer invoicer --dry-run\n  \
+        inboxctl cleanup --schema billing --consumer invoicer \\\n    \
         --processed-retention 30days --scrub-after 3days --type-retention ledger.entry=90days --archive",
         mut_arg("consumer", |a| a.required(true).help(
             "Consumer name (the inbox key's second half); required: retention runs per consumer"
         )))]
     Cleanup(cleanup::CleanupArgs),
-    /// Measure retention at scale: fill an inbox in a scratch schema (10 million rows by
-    /// default), run a consumer-like claim load alone, then beside `cleanup`; print the delete
-    /// rate, the load's latency and throughput during cleanup against the load alone, and the
-    /// plain LIMIT delete loop's per-batch cost for comparison.
-    #[command(after_help = "Example:\n  inboxctl bench-retention --rows 10000000 --batch 5000")]
-    BenchRetention(bench_retention::BenchRetentionArgs),
     /// Print the least-privilege grants of a role kind (consumer, retention, operator,
     /// admin) on an inbox schema, as SQL for psql.
     #[command(after_help = "Example:\n  \
-        inboxctl grants --schema order_service --role consumer --grantee order_service_app | psql")]
+        inboxctl grants --schema billing --role consumer --grantee billing_app | psql")]
     Grants(grants::GrantsArgs),
     /// The admin HTTP API and dashboard: /healthz, /readyz, /metrics, JSON inspection and
     /// operator actions under /api/v1 (OpenAPI at /api/v1/openapi.json), the dashboard at /.
@@ -203,304 +152,36 @@ enum Command {
     Doctor(doctor::DoctorArgs),
 }
 
-/// Where the example service lives.
-#[derive(Args, Clone)]
-pub(crate) struct ServiceArgs {
-    /// PostgreSQL schema for the inbox and the example's tables.
-    #[arg(long, env = "INBOX_SCHEMA", default_value = "order_service")]
-    pub(crate) schema: String,
-    /// Work queue.
-    #[arg(long, default_value = order_service::QUEUE)]
-    pub(crate) queue: String,
-    /// Exchange producers publish to.
-    #[arg(long, default_value = order_service::EXCHANGE)]
-    pub(crate) exchange: String,
-    /// Deliveries per transaction, 1 = one transaction per message [default: the library's]
-    #[arg(long)]
-    pub(crate) batch_size: Option<usize>,
-    /// Transactions in flight [default: the library's]
-    #[arg(long)]
-    pub(crate) lanes: Option<usize>,
-    /// Unacked deliveries the broker may push [default: the library's]
-    #[arg(long)]
-    pub(crate) prefetch: Option<u16>,
-    /// Retry tier delays, comma-separated [default: the example's 1s,2s,5s,10s]; five attempts
-    /// in all, the last tier repeating. Every instance and tool on the queue must agree.
-    #[arg(long, value_parser = when::delays)]
-    pub(crate) retry_delays: Option<when::Delays>,
-    #[command(flatten)]
-    pub(crate) queue_type: QueueTypeArgs,
-}
-
-/// Classic or quorum queues, for `consume` and `consume-shipping`.
-#[derive(Args, Clone)]
-pub(crate) struct QueueTypeArgs {
-    /// Declare quorum queues (replicated across the nodes of a cluster) instead of classic
-    /// ones. Every instance and tool on the queue must agree.
-    #[arg(long)]
-    pub(crate) quorum: bool,
-    /// `x-delivery-limit` of the quorum work queue; must exceed the retry budget plus the
-    /// prefetch [default with --quorum: max attempts + prefetch + 100]
-    #[arg(long, requires = "quorum")]
-    pub(crate) delivery_limit: Option<u32>,
-}
-
-impl QueueTypeArgs {
-    fn apply(&self, config: &mut rabbit_inbox::ConsumerConfig) {
-        if self.quorum {
-            config.use_quorum_queues(self.delivery_limit);
-        }
-    }
-}
-
-/// `inboxctl consume`.
-#[derive(Args, Clone)]
-pub(crate) struct ConsumeArgs {
-    #[command(flatten)]
-    service: ServiceArgs,
-    /// Exchange the service emits its events to through its outbox (declared at start).
-    #[arg(long, default_value = order_service::EVENTS_EXCHANGE)]
-    events_exchange: String,
-    /// Also run the outbox relay in this process.
-    #[arg(long)]
-    relay: bool,
-    #[command(flatten)]
-    observe: telemetry::ObserveArgs,
-}
-
-/// `inboxctl consume-shipping`.
-#[derive(Args, Clone)]
-pub(crate) struct ShippingArgs {
-    /// PostgreSQL schema for the shipping inbox and its table.
-    #[arg(long, default_value = "shipping_service")]
-    schema: String,
-    /// Work queue.
-    #[arg(long, default_value = shipping_service::QUEUE)]
-    queue: String,
-    /// Exchange order-service emits to.
-    #[arg(long, default_value = shipping_service::EVENTS_EXCHANGE)]
-    exchange: String,
-    #[command(flatten)]
-    queue_type: QueueTypeArgs,
-}
-
-impl ServiceArgs {
-    pub(crate) fn config(&self) -> anyhow::Result<rabbit_inbox::ConsumerConfig> {
-        let mut config =
-            order_service::config(SchemaName::new(&self.schema)?, &self.queue, &self.exchange);
-        config.batch_size = self.batch_size.unwrap_or(config.batch_size);
-        config.lanes = self.lanes.unwrap_or(config.lanes);
-        config.prefetch = self.prefetch.unwrap_or(config.prefetch);
-        if let Some(delays) = &self.retry_delays {
-            config.retry.delays = delays.0.clone();
-        }
-        self.queue_type.apply(&mut config);
-        config.validate()?;
-        Ok(config)
-    }
-}
-
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let (capture, spans) = match init_logging(&cli.command) {
-        Ok(logging) => logging,
-        Err(e) => {
-            eprintln!("error: {}", error_chain(&e));
-            return ExitCode::from(2);
-        }
-    };
-    let code = match run(cli, capture.as_ref()).await {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    match run(cli).await {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {}", error_chain(&e));
-            if let Some(capture) = &capture {
-                eprintln!("log: {}", capture.path().display());
-            }
             ExitCode::from(2)
         }
-    };
-    // Flushes the spans still buffered.
-    drop(spans);
-    code
-}
-
-/// Log output goes to stderr at `RUST_LOG` (default `warn`). The demo's terminal belongs to its
-/// progress line and table: unless `RUST_LOG` is set, its log goes to a file and the warnings
-/// are summarized at the end. `consume --otlp-endpoint` adds the span export.
-fn init_logging(
-    command: &Command,
-) -> anyhow::Result<(
-    Option<log_capture::LogCapture>,
-    Option<telemetry::SpanExport>,
-)> {
-    use tracing_subscriber::{Layer as _, layer::SubscriberExt as _, util::SubscriberInitExt as _};
-    let filter =
-        || tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
-    if matches!(command, Command::Demo(_)) && std::env::var_os("RUST_LOG").is_none() {
-        let path = std::env::temp_dir().join("inboxctl-demo.log");
-        match log_capture::LogCapture::install(&path, filter()) {
-            Ok(capture) => return Ok((Some(capture), None)),
-            Err(e) => eprintln!("logging to stderr: {}", error_chain(&e)),
-        }
     }
-    let terminal = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_filter(filter());
-    let endpoint = match command {
-        Command::Consume(args) => args
-            .observe
-            .otlp_endpoint
-            .as_deref()
-            .map(|e| (e, &args.observe.otlp_tls)),
-        _ => None,
-    };
-    let (spans, export) = match endpoint {
-        Some((endpoint, tls)) => {
-            let (layer, export) = telemetry::SpanExport::start(endpoint, tls)?;
-            (Some(layer), Some(export))
-        }
-        None => (None, None),
-    };
-    tracing_subscriber::registry()
-        .with(terminal)
-        .with(spans)
-        .init();
-    Ok((None, export))
 }
 
-/// The error and its causes, skipping causes whose text the previous message already holds.
-fn error_chain(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if !out.contains(&text) {
-            if !out.is_empty() {
-                out.push_str(": ");
-            }
-            out.push_str(&text);
-        }
-    }
-    out
-}
-
-async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Result<ExitCode> {
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let servers = cli.servers.with_amqp_tls()?;
     match cli.command {
         Command::Migrate { schema } => {
             let schema = SchemaName::new(schema)?;
             let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
-            migrate_service(&pool, &schema).await?;
-            println!("schema {schema} is up to date");
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Consume(args) => {
-            let mut config = args.service.config()?;
-            args.observe.configure(&mut config);
-            config.validate()?;
-            args.observe.install_metrics()?;
-            let pool =
-                connect::postgres(&servers.database_url, connect::pool_size(config.lanes)).await?;
-            let broker = connect::rabbitmq(&servers.amqp_url).await?;
-            broker
-                .declare_exchange(&args.events_exchange)
-                .await
-                .with_context(|| format!("declaring exchange {}", args.events_exchange))?;
-            broker.close().await;
-            migrate_service(&pool, &config.schema).await?;
-            let handler = order_service::OrderHandler::new(config.schema.clone())
-                .with_events_exchange(&args.events_exchange);
-            let schema = config.schema.clone();
-            let mut consumer =
-                Consumer::new(servers.amqp_url.clone(), pool.clone(), config, handler)?;
-            if args.relay {
-                consumer = consumer.with_relay(pool, RelayConfig::new(schema))?;
-            }
-            let stats = consumer.stats();
-            eprintln!(
-                "consuming {}; Ctrl-C or SIGTERM to stop",
-                args.service.queue
-            );
-            consumer.run(rabbit_inbox::shutdown_signal()).await?;
-            let s = stats.snapshot();
-            eprintln!(
-                "stopped: received {}, processed {}, duplicates {}, retried {}, parked {}",
-                s.received, s.processed, s.duplicates, s.retried, s.parked
-            );
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::ConsumeShipping(args) => {
-            let schema = SchemaName::new(&args.schema)?;
-            let mut config = shipping_service::config(schema.clone(), &args.queue, &args.exchange);
-            args.queue_type.apply(&mut config);
-            config.validate()?;
-            let pool =
-                connect::postgres(&servers.database_url, connect::pool_size(config.lanes)).await?;
-            connect::rabbitmq(&servers.amqp_url).await?.close().await;
             rabbit_inbox::migrate(&pool, &schema).await?;
-            shipping_service::migrate(&pool, &schema).await?;
-            let handler = shipping_service::ShippingHandler::new(schema);
-            let consumer = Consumer::new(servers.amqp_url.clone(), pool, config, handler)?;
-            let stats = consumer.stats();
-            eprintln!("consuming {}; Ctrl-C or SIGTERM to stop", args.queue);
-            consumer.run(rabbit_inbox::shutdown_signal()).await?;
-            let s = stats.snapshot();
-            eprintln!(
-                "stopped: received {}, processed {}, duplicates {}, parked {}",
-                s.received, s.processed, s.duplicates, s.parked
-            );
+            println!("schema {schema} is up to date");
             Ok(ExitCode::SUCCESS)
         }
         Command::Relay(args) => outbox::relay(&servers, args).await,
         Command::Outbox(args) => outbox::inspect(&servers, args).await,
-        Command::Publish {
-            service,
-            orders,
-            seed,
-        } => {
-            let config = service.config()?;
-            let broker = connect::rabbitmq(&servers.amqp_url).await?;
-            broker
-                .declare(&config.topology, &config.retry)
-                .await
-                .context("declaring the topology")?;
-            let seed = seed.unwrap_or_else(rand::random);
-            let stream = scenario::Scenario::generate(orders, seed);
-            inbox_chaos::publish_all(&broker, &service.exchange, &stream.messages).await?;
-            println!(
-                "published {} messages ({} unique) for {} orders to exchange {} (seed {seed})",
-                stream.messages.len(),
-                stream.unique_keys,
-                orders,
-                service.exchange
-            );
-            broker.close().await;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Verify { schema } => {
-            let schema = SchemaName::new(schema)?;
-            let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
-            let v = order_service::verify(&pool, &schema).await?;
-            println!("{v:#?}");
-            if v.exactly_once() {
-                println!("exactly-once: OK");
-                Ok(ExitCode::SUCCESS)
-            } else {
-                println!("exactly-once: VIOLATED");
-                Ok(ExitCode::FAILURE)
-            }
-        }
-        Command::Demo(args) => demo::run(&servers, args, capture).await,
-        Command::Bench(args) => bench::run(&servers, args).await,
-        Command::Chaos(args) => {
-            // The consumers the run kills are this binary's `consume`.
-            let consumer = chaos::ConsumerCommand {
-                program: std::env::current_exe().context("locating the inboxctl binary")?,
-                args: vec!["consume".into(), "--relay".into()],
-            };
-            chaos::run(&servers, args, &consumer).await
-        }
-        Command::Soak(args) => soak::run(&servers, args).await,
         Command::Status(args) => status::run(&servers, args).await,
         Command::List(args) => list::run(&servers, args).await,
         Command::Show(args) => show::run(&servers, args).await,
@@ -511,7 +192,6 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
         Command::Serve(args) => serve::run(&servers, args).await,
         Command::Doctor(args) => doctor::run(&servers, args).await,
         Command::Cleanup(args) => cleanup::run(&servers, args).await,
-        Command::BenchRetention(args) => bench_retention::run_bench(&servers, args).await,
         Command::Grants(args) => grants::run(args),
     }
 }

@@ -3,9 +3,9 @@
 
 use std::{process::ExitCode, time::Duration};
 
+use crate::{Servers, connect};
 use anyhow::Context;
 use clap::Args;
-use inbox_chaos::{Servers, connect};
 use rabbit_inbox::{OutboxRecord, OutboxStatus, OutboxStore, OutboxSummary, Relay, RelayConfig};
 use serde::Serialize;
 
@@ -15,7 +15,7 @@ use crate::report;
 #[derive(Args, Clone, Debug)]
 pub(crate) struct RelayArgs {
     /// PostgreSQL schema of the outbox.
-    #[arg(long, env = "INBOX_SCHEMA", default_value = "order_service")]
+    #[arg(long, env = "INBOX_SCHEMA")]
     schema: String,
     /// Lease owner and connection name [default: relay-<pid>-<random>]
     #[arg(long)]
@@ -102,7 +102,7 @@ pub(crate) async fn relay(servers: &Servers, args: RelayArgs) -> anyhow::Result<
 #[derive(Args, Clone, Debug)]
 pub(crate) struct OutboxArgs {
     /// PostgreSQL schema of the outbox.
-    #[arg(long, env = "INBOX_SCHEMA", default_value = "order_service")]
+    #[arg(long, env = "INBOX_SCHEMA")]
     schema: String,
     /// Rows listed, oldest first.
     #[arg(long, default_value_t = 50)]

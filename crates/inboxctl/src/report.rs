@@ -12,7 +12,7 @@ use serde::Serialize;
 #[derive(Args, Clone, Debug)]
 pub(crate) struct InboxArgs {
     /// PostgreSQL schema of the inbox.
-    #[arg(long, env = "INBOX_SCHEMA", default_value = "order_service")]
+    #[arg(long, env = "INBOX_SCHEMA")]
     pub(crate) schema: String,
     /// Consumer name (the inbox key's second half); all consumers when omitted.
     #[arg(long, env = "INBOX_CONSUMER")]

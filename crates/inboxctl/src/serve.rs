@@ -71,7 +71,7 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=65_536))]
     max_connections: u64,
     /// PostgreSQL schema of the inbox.
-    #[arg(long, env = "INBOX_SCHEMA", default_value = "order_service")]
+    #[arg(long, env = "INBOX_SCHEMA")]
     schema: String,
     #[command(flatten)]
     queues: QueueArgs,

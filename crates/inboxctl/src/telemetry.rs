@@ -11,43 +11,43 @@ use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use rabbit_inbox::{ConsumerConfig, telemetry::metrics as m};
 
-/// Metrics and trace export of `inboxctl consume`.
+/// Metrics and trace export of a consumer process (`inbox-lab consume`).
 #[derive(Args, Clone, Debug, Default)]
-pub(crate) struct ObserveArgs {
+pub struct ObserveArgs {
     /// Serve the metrics catalog in the Prometheus text format at http://ADDR/metrics
     /// (e.g. 127.0.0.1:9464). Also samples the inbox gauges every --sample-interval-secs.
     #[arg(long, value_name = "ADDR")]
-    pub(crate) metrics_addr: Option<SocketAddr>,
+    pub metrics_addr: Option<SocketAddr>,
     /// Seconds between samples of the inbox gauges (oldest unprocessed age, open and parked
     /// rows, dedup-window headroom); one query over the index of open rows per sample.
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
-    pub(crate) sample_interval_secs: u64,
+    pub sample_interval_secs: u64,
     /// The longest time after which a message may be delivered again (DLQ replays, outbox
     /// republishes), in seconds; the dedup-window headroom gauge is measured against it.
     #[arg(long, value_name = "SECS")]
-    pub(crate) replay_window_secs: Option<u64>,
+    pub replay_window_secs: Option<u64>,
     /// Message types with their own `message_type` label (comma-separated); other types are
     /// labelled by name up to the library's limit, then `other`.
     #[arg(long, value_delimiter = ',')]
-    pub(crate) known_message_types: Vec<String>,
+    pub known_message_types: Vec<String>,
     /// Export a span per delivery, child of the producer's `traceparent`, over OTLP/HTTP
     /// (protobuf) to this collector URL (e.g. http://127.0.0.1:4318/v1/traces).
     #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", value_name = "URL")]
-    pub(crate) otlp_endpoint: Option<String>,
+    pub otlp_endpoint: Option<String>,
     #[command(flatten)]
-    pub(crate) otlp_tls: OtlpTls,
+    pub otlp_tls: OtlpTls,
 }
 
 /// TLS of the OTLP export to an `https://` collector (the OpenTelemetry SDK's variables).
 #[derive(Args, Clone, Debug, Default)]
-pub(crate) struct OtlpTls {
+pub struct OtlpTls {
     /// CA certificate file (PEM) trusted for an https:// collector beside the system roots.
     #[arg(
         long,
         env = "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
         value_name = "PEM"
     )]
-    pub(crate) otlp_ca_file: Option<PathBuf>,
+    pub otlp_ca_file: Option<PathBuf>,
     /// Client certificate file (PEM) for a collector that requires one; needs
     /// --otlp-client-key.
     #[arg(
@@ -56,7 +56,7 @@ pub(crate) struct OtlpTls {
         value_name = "PEM",
         requires = "otlp_client_key"
     )]
-    pub(crate) otlp_client_cert: Option<PathBuf>,
+    pub otlp_client_cert: Option<PathBuf>,
     /// The client certificate's private key (PEM, unencrypted).
     #[arg(
         long,
@@ -64,7 +64,7 @@ pub(crate) struct OtlpTls {
         value_name = "PEM",
         requires = "otlp_client_cert"
     )]
-    pub(crate) otlp_client_key: Option<PathBuf>,
+    pub otlp_client_key: Option<PathBuf>,
 }
 
 /// How long one export request may take (the OTLP default).
@@ -111,7 +111,7 @@ impl OtlpTls {
 
 impl ObserveArgs {
     /// Applies the labels and the sampling to the consumer's configuration.
-    pub(crate) fn configure(&self, config: &mut ConsumerConfig) {
+    pub fn configure(&self, config: &mut ConsumerConfig) {
         if self.metrics_addr.is_some() {
             config.telemetry.sample_interval = Some(Duration::from_secs(self.sample_interval_secs));
         }
@@ -123,7 +123,7 @@ impl ObserveArgs {
     }
 
     /// Installs the Prometheus exporter, if asked for. Call inside the runtime.
-    pub(crate) fn install_metrics(&self) -> anyhow::Result<()> {
+    pub fn install_metrics(&self) -> anyhow::Result<()> {
         match self.metrics_addr {
             Some(addr) => serve_metrics(addr),
             None => Ok(()),
@@ -133,7 +133,7 @@ impl ObserveArgs {
 
 /// Installs the Prometheus exporter serving the catalog at http://ADDR/metrics. Call inside
 /// the runtime.
-pub(crate) fn serve_metrics(addr: SocketAddr) -> anyhow::Result<()> {
+pub fn serve_metrics(addr: SocketAddr) -> anyhow::Result<()> {
     prometheus()?
         .with_http_listener(addr)
         .install()
@@ -144,7 +144,7 @@ pub(crate) fn serve_metrics(addr: SocketAddr) -> anyhow::Result<()> {
 
 /// Installs the Prometheus recorder without a listener of its own, for a server that renders
 /// it (`inboxctl serve` at `/metrics`).
-pub(crate) fn metrics_recorder() -> anyhow::Result<metrics_exporter_prometheus::PrometheusHandle> {
+pub fn metrics_recorder() -> anyhow::Result<metrics_exporter_prometheus::PrometheusHandle> {
     let handle = prometheus()?
         .install_recorder()
         .context("installing the Prometheus recorder")?;
@@ -165,13 +165,13 @@ fn prometheus() -> anyhow::Result<PrometheusBuilder> {
 }
 
 /// Exports spans over OTLP until dropped (then flushes).
-pub(crate) struct SpanExport {
+pub struct SpanExport {
     provider: SdkTracerProvider,
 }
 
 impl SpanExport {
     /// The layer that sends the library's delivery spans to `endpoint`, and its guard.
-    pub(crate) fn start<S>(
+    pub fn start<S>(
         endpoint: &str,
         tls: &OtlpTls,
     ) -> anyhow::Result<(impl tracing_subscriber::Layer<S> + use<S>, SpanExport)>
@@ -234,7 +234,10 @@ mod tests {
         if dir.join("server.pem").exists() {
             Some(dir)
         } else {
-            eprintln!("skipped: no TLS test certificates; run scripts/tls-endpoints.sh start");
+            inbox_testkit::missing(
+                "the TLS test certificates",
+                "run scripts/tls-endpoints.sh start",
+            );
             None
         }
     }

@@ -4,12 +4,12 @@
 use chrono::{DateTime, Utc};
 
 /// A duration such as `90s`, `5m` or `2h`.
-pub(crate) fn duration(text: &str) -> Result<std::time::Duration, String> {
+pub fn duration(text: &str) -> Result<std::time::Duration, String> {
     humantime::parse_duration(text).map_err(|e| format!("{e} (examples: 90s, 5m, 2h)"))
 }
 
 /// An instant: RFC 3339 (`2026-12-01T10:00:00Z`) or a duration ago (`2h` = two hours ago).
-pub(crate) fn instant(text: &str) -> Result<DateTime<Utc>, String> {
+pub fn instant(text: &str) -> Result<DateTime<Utc>, String> {
     if let Ok(t) = DateTime::parse_from_rfc3339(text) {
         return Ok(t.with_timezone(&Utc));
     }
@@ -24,10 +24,10 @@ pub(crate) fn instant(text: &str) -> Result<DateTime<Utc>, String> {
 
 /// Retry tier delays.
 #[derive(Clone, Debug)]
-pub(crate) struct Delays(pub(crate) Vec<std::time::Duration>);
+pub struct Delays(pub Vec<std::time::Duration>);
 
 /// Retry tier delays, comma-separated (`1s,5s,30s`).
-pub(crate) fn delays(text: &str) -> Result<Delays, String> {
+pub fn delays(text: &str) -> Result<Delays, String> {
     text.split(',')
         .map(|d| duration(d.trim()))
         .collect::<Result<_, _>>()
@@ -35,13 +35,13 @@ pub(crate) fn delays(text: &str) -> Result<Delays, String> {
 }
 
 /// A timestamp for a table cell.
-pub(crate) fn cell(t: Option<DateTime<Utc>>) -> String {
+pub fn cell(t: Option<DateTime<Utc>>) -> String {
     t.map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string())
         .unwrap_or_default()
 }
 
 /// Seconds as a short human duration (`3m 12s`).
-pub(crate) fn age(secs: Option<f64>) -> String {
+pub fn age(secs: Option<f64>) -> String {
     secs.map(|s| {
         let d = std::time::Duration::from_secs(s.max(0.0) as u64);
         humantime::format_duration(d).to_string()

@@ -1,6 +1,7 @@
 //! `inboxctl migrate` started by several processes at the same instant on a fresh schema (a
 //! rolling deploy starts instances exactly like this): every process exits 0 and the schema
-//! holds the inbox and the example's tables once.
+//! holds the inbox tables once, and nothing else: exactly what the library's own migration
+//! creates. Without `--schema` (or `INBOX_SCHEMA`) it refuses to guess.
 
 use std::{
     hash::{BuildHasher, RandomState},
@@ -85,26 +86,44 @@ async fn simultaneous_migrate_processes_all_exit_zero() {
         failures.len()
     );
 
+    // The library's own migration in a second scratch schema is the reference.
     let pool = PgPool::connect(&database_url())
         .await
         .expect("PostgreSQL is reachable");
-    for table in [
-        "message_inbox",
-        "inbox_audit",
-        "_rabbit_inbox_migrations",
-        "orders",
-        "payment_history",
-    ] {
-        let count: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
-             WHERE n.nspname = $1 AND c.relname = $2",
+    let reference = format!("{schema}_ref");
+    let _reference_cleanup = DropSchema(reference.clone());
+    rabbit_inbox::migrate(
+        &pool,
+        &rabbit_inbox::SchemaName::new(&reference).expect("schema name"),
+    )
+    .await
+    .expect("reference migration");
+    let tables = async |schema: &str| -> Vec<String> {
+        sqlx::query_scalar(
+            "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1",
         )
-        .bind(&schema)
-        .bind(table)
-        .fetch_one(&pool)
+        .bind(schema)
+        .fetch_all(&pool)
         .await
-        .expect("catalog query");
-        assert_eq!(count, 1, "{table} in {schema}");
-    }
+        .expect("catalog query")
+    };
+    let created = tables(&schema).await;
+    assert!(created.iter().any(|t| t == "message_inbox"), "{created:?}");
+    assert_eq!(created, tables(&reference).await, "only the inbox's tables");
     pool.close().await;
+}
+
+#[tokio::test]
+async fn migrate_needs_a_schema() {
+    let out = Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+        .arg("migrate")
+        .env("DATABASE_URL", database_url())
+        .env_remove("INBOX_SCHEMA")
+        .output()
+        .await
+        .expect("inboxctl runs");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--schema"), "{stderr}");
 }

@@ -1,7 +1,7 @@
 //! Several broker addresses, and quorum queues on the local three-node cluster that
 //! `scripts/rabbitmq-cluster.sh start` runs (nodes on ports 5681-5683, or the URLs in
 //! `RABBIT_INBOX_CLUSTER_URLS`). The cluster tests are skipped, with a note, when the cluster is
-//! not running; CI starts it.
+//! not running; `scripts/test` starts it.
 
 // Shared with the other integration tests; not every helper is used here.
 #[allow(dead_code)]
@@ -32,9 +32,9 @@ async fn cluster() -> Option<Vec<String>> {
             Some(urls)
         }
         Err(e) => {
-            eprintln!(
-                "skipped: the local RabbitMQ cluster is not running ({e}); start it with \
-                 scripts/rabbitmq-cluster.sh start"
+            inbox_testkit::missing(
+                &format!("the local RabbitMQ cluster ({e})"),
+                "start it with scripts/rabbitmq-cluster.sh start",
             );
             None
         }

@@ -85,7 +85,9 @@ async fn management(method: reqwest::Method, path: &str, body: Option<serde_json
     if let Some(body) = body {
         request = request.json(&body);
     }
-    let response = request.send().await.expect("management API answers");
+    let response = request.send().await.expect(
+        "RabbitMQ's management API answers on port 15672 (rabbitmq-plugins enable rabbitmq_management)",
+    );
     assert!(
         response.status().is_success(),
         "{method} {path}: {}",

@@ -1490,7 +1490,10 @@ async fn held_acks_go_out_when_the_slow_earlier_batch_finishes() {
             "the fast lane's later acks stay behind the slow lane's deliveries"
         );
     } else {
-        eprintln!("rabbitmqctl cannot see the test broker; skipping the unacked count");
+        inbox_testkit::missing(
+            "rabbitmqctl access to the test broker (for the unacked count)",
+            "run the tests on the broker's machine, as root or the rabbitmq user",
+        );
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     let held_for = held_since.elapsed();

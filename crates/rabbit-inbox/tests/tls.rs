@@ -3,7 +3,7 @@
 //! (certificates and addresses from its `env`: `RABBIT_INBOX_TLS_DIR`,
 //! `RABBIT_INBOX_TLS_AMQP_URL`, `RABBIT_INBOX_TLS_MANAGEMENT_URL`,
 //! `RABBIT_INBOX_TLS_DATABASE_URL`; its defaults otherwise). Each test is skipped, with a note,
-//! when the endpoints are not running; CI starts them.
+//! when the endpoints are not running; `scripts/test` starts them.
 //!
 //! The servers hold a certificate for `localhost` and `127.0.0.1` signed by the script's CA;
 //! they also listen on 127.0.0.2, a name the certificate does not hold. The broker requires a
@@ -68,9 +68,10 @@ fn endpoints() -> Option<Endpoints> {
     if ready {
         Some(e)
     } else {
-        eprintln!(
-            "skipped: the TLS endpoints are not running; start them with \
-             scripts/tls-endpoints.sh start (and eval \"$(scripts/tls-endpoints.sh env)\")"
+        inbox_testkit::missing(
+            "the TLS endpoints",
+            "start them with scripts/tls-endpoints.sh start \
+             (and eval \"$(scripts/tls-endpoints.sh env)\")",
         );
         None
     }

@@ -323,7 +323,7 @@ impl Outbox {
     /// Whether an enqueue sends the relays a NOTIFY (delivered at commit). On by default: the
     /// relay then publishes within milliseconds. PostgreSQL serializes the commits of
     /// notifying transactions on one lock, so under heavy write load turning it off (the relay
-    /// falls back to polling) can raise commit throughput; `inboxctl bench --modes outbox`
+    /// falls back to polling) can raise commit throughput; `inbox-lab bench --modes outbox`
     /// measures both.
     pub fn with_notify(mut self, notify: bool) -> Self {
         self.notify = notify;

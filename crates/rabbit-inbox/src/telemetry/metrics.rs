@@ -1,7 +1,7 @@
 //! The metrics catalog: every metric the library emits is named here once, with its labels.
 //!
 //! Metrics go through the `metrics` facade; nothing is recorded until the application installs
-//! a recorder (e.g. `metrics-exporter-prometheus`, as `inboxctl consume --metrics-addr` does).
+//! a recorder (e.g. `metrics-exporter-prometheus`, as `inbox-lab consume --metrics-addr` does).
 //! Labels are bounded: `consumer` (configured names), `schema` (the outbox's), `outcome`, `reason`, `status`,
 //! `result` and `cause` (fixed sets below) and `message_type`, folded by [`MessageTypeLabels`] to the
 //! configured known types, the first [`crate::TelemetryConfig::max_message_types`] seen, and

@@ -1,11 +1,11 @@
-//! `inboxctl bench`: glue over `inbox-bench`.
+//! `inbox-lab bench`: glue over `inbox-bench`.
 
 use std::{process::ExitCode, time::Duration};
 
 use clap::Args;
 use rabbit_inbox::SchemaName;
 
-use inbox_chaos::{Servers, connect};
+use crate::{Servers, connect};
 
 #[derive(Args)]
 pub(crate) struct BenchArgs {

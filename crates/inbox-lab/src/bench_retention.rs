@@ -1,4 +1,4 @@
-//! `inboxctl bench-retention`: glue over `inbox_bench::retention`.
+//! `inbox-lab bench-retention`: glue over `inbox_bench::retention`.
 
 use std::{process::ExitCode, time::Duration};
 

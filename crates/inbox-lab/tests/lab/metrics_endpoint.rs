@@ -1,4 +1,4 @@
-//! `inboxctl consume --metrics-addr` serves the metrics catalog in the Prometheus text format:
+//! `inbox-lab consume --metrics-addr` serves the metrics catalog in the Prometheus text format:
 //! scraped while it consumes the example stream, the counters, histograms and sampled gauges
 //! are there and move.
 
@@ -102,7 +102,7 @@ async fn consume_serves_the_catalog_to_prometheus() {
         &exchange,
     ];
 
-    let mut consumer = Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+    let mut consumer = Command::new(crate::bins::inbox_lab())
         .arg("consume")
         .args(service)
         .args(["--metrics-addr", &addr, "--sample-interval-secs", "1"])
@@ -113,7 +113,7 @@ async fn consume_serves_the_catalog_to_prometheus() {
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .expect("inboxctl consume starts");
+        .expect("inbox-lab consume starts");
 
     // Publishing declares the exchange; the consumer has bound its queue once it serves.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
@@ -125,7 +125,7 @@ async fn consume_serves_the_catalog_to_prometheus() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let published = Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+    let published = Command::new(crate::bins::inbox_lab())
         .arg("publish")
         .args(service)
         .args(["--orders", "20", "--seed", "7"])
@@ -134,7 +134,7 @@ async fn consume_serves_the_catalog_to_prometheus() {
         .env_remove("RUST_LOG")
         .output()
         .await
-        .expect("inboxctl publish runs");
+        .expect("inbox-lab publish runs");
     assert!(
         published.status.success(),
         "{}",
@@ -201,7 +201,7 @@ async fn serve_samples_the_inbox_gauges_of_the_consumers_it_is_told() {
     let _cleanup = Cleanup {
         config: config.clone(),
     };
-    let migrated = Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+    let migrated = Command::new(crate::bins::inboxctl())
         .args(["migrate", "--schema", &schema])
         .env("DATABASE_URL", database_url())
         .output()
@@ -230,7 +230,7 @@ async fn serve_samples_the_inbox_gauges_of_the_consumers_it_is_told() {
         .expect("a free port")
         .port();
     let addr = format!("127.0.0.1:{port}");
-    let mut server = Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+    let mut server = Command::new(crate::bins::inboxctl())
         .args(["serve", "--listen", &addr, "--schema", &schema])
         .args([
             "--sample-consumer",

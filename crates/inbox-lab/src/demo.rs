@@ -1,4 +1,4 @@
-//! `inboxctl demo`: the end-to-end run of the example service against the local servers.
+//! `inbox-lab demo`: the end-to-end run of the example service against the local servers.
 
 use std::{
     io::{IsTerminal, Write},
@@ -10,9 +10,9 @@ use anyhow::Context;
 use clap::Args;
 use rabbit_inbox::{Consumer, SchemaName};
 
-use inbox_chaos::{Servers, clean_slate, publish_all, scenario::Scenario};
+use inbox_chaos::{clean_slate, publish_all, scenario::Scenario};
 
-use crate::log_capture::LogCapture;
+use crate::{Servers, log_capture::LogCapture};
 
 #[derive(Args)]
 pub(crate) struct DemoArgs {

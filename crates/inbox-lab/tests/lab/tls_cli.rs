@@ -2,7 +2,7 @@
 //! and certificates from its `env`, its defaults otherwise): `--amqp-ca-file`,
 //! `--amqp-client-cert`, `--amqp-client-key` (and their variables) reach every broker
 //! connection, `DATABASE_URL`'s `sslmode`/`sslrootcert` the database's, and a bad file is named
-//! in the error. Skipped, with a note, when the endpoints are not running; CI starts them.
+//! in the error. Skipped, with a note, when the endpoints are not running; `scripts/test` starts them.
 
 use std::{
     hash::{BuildHasher, RandomState},
@@ -50,9 +50,10 @@ fn endpoints() -> Option<Endpoints> {
     };
     let certs = dir.join("certs");
     if !(certs.join("ca.pem").exists() && answers(&amqp_url) && answers(&database_url)) {
-        eprintln!(
-            "skipped: the TLS endpoints are not running; start them with \
-             scripts/tls-endpoints.sh start (and eval \"$(scripts/tls-endpoints.sh env)\")"
+        inbox_testkit::missing(
+            "the TLS endpoints",
+            "start them with scripts/tls-endpoints.sh start \
+             (and eval \"$(scripts/tls-endpoints.sh env)\")",
         );
         return None;
     }
@@ -83,10 +84,10 @@ impl Endpoints {
         .expect("valid URL")
     }
 
-    /// `inboxctl args` with the TLS endpoints' URLs and `env`, and nothing from the caller's
+    /// `inboxctl args` (or `inbox-lab args` for its commands) with the TLS endpoints' URLs and `env`, and nothing from the caller's
     /// environment that could change it.
     async fn inboxctl(&self, args: &[&str], env: &[(&str, String)]) -> Output {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_inboxctl"));
+        let mut command = Command::new(crate::bins::with_command(args[0]));
         command
             .args(args)
             .env("DATABASE_URL", &self.database_url)

@@ -1,4 +1,4 @@
-//! The two-service chain under faults: order-service (`inboxctl consume`, emitting `OrderPaid`
+//! The two-service chain under faults: order-service (`inbox-lab consume`, emitting `OrderPaid`
 //! through its outbox) and two outbox relays (`inboxctl relay`) run as processes that are
 //! SIGKILLed and restarted at random moments, while every broker connection of the run is
 //! force-closed now and then; shipping-service consumes the events with its own inbox. When
@@ -109,7 +109,7 @@ impl Proc {
     }
 
     fn start(args: &[String], amqp_url: &str) -> Child {
-        Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+        Command::new(crate::bins::with_command(&args[0]))
             .args(args)
             .env("DATABASE_URL", database_url())
             .env("AMQP_URL", amqp_url)
