@@ -116,6 +116,8 @@ impl From<OpsError> for ApiError {
                 Self::internal(StatusCode::SERVICE_UNAVAILABLE, "the inbox database", &e)
             }
             OpsError::Broker(_) => Self::broker(&e),
+            // A kind this server does not know yet: logged under the request id, not shown.
+            _ => Self::internal(StatusCode::INTERNAL_SERVER_ERROR, "an operation", &e),
         }
     }
 }

@@ -179,6 +179,7 @@ fn render(r: &CleanupReport) -> comfy_table::Table {
     let removed = match r.mode {
         RetentionMode::Delete => "deleted",
         RetentionMode::Archive => "archived",
+        _ => "removed",
     };
     let mut t = table(["consumer", "what", "rows"]);
     for (what, n) in [

@@ -57,6 +57,7 @@ fn render(r: &ShowReport) -> comfy_table::Table {
             Some(Payload::Sealed { key_id, reason }) => {
                 format!("(encrypted with key {key_id}, not shown: {reason})")
             }
+            Some(_) => "(kept in a form this tool cannot show)".to_owned(),
         };
         let opt = |v: &Option<String>| v.clone().unwrap_or_default();
         for (k, v) in [

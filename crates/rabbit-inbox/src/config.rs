@@ -51,6 +51,7 @@ pub struct Topology {
 
 /// RabbitMQ queue type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum QueueType {
     /// Classic durable queues.
     #[default]
@@ -136,6 +137,7 @@ fn delay_label(delay: Duration) -> String {
 
 /// Which bodies the inbox keeps (section "payload storage" of the README).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum PayloadStorage {
     /// Keep bodies of failed and parked messages only; processed rows keep metadata and hash.
     #[default]

@@ -12,6 +12,7 @@ pub const MAX_KEY_LEN: usize = 255;
 
 /// How a consumer derives the dedup key of a message. Chosen per consumer.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum DedupStrategy {
     /// The AMQP `message-id` property, set by the producer or its outbox (the default).
     #[default]

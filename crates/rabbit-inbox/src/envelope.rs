@@ -132,6 +132,7 @@ impl Default for FieldLimits {
 /// How [`Envelope::payload_sha256`] is computed. A redelivered key whose body hashes
 /// differently is a payload conflict.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum BodyHash {
     /// A JSON body hashes in canonical form ([`crate::canonical_json()`]): a republish that
     /// writes the same JSON with other key order, whitespace, escapes or number forms is the
@@ -195,6 +196,7 @@ impl Envelope {
 
 /// Why a delivery was refused before any handler saw it. All are permanent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum InvalidReason {
     /// No dedup key could be found.
     MissingMessageId,

@@ -2,6 +2,7 @@
 
 /// Invalid configuration, reported before anything touches the database or the broker.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// The schema name is not a plain lowercase identifier.
     #[error(
@@ -24,6 +25,7 @@ pub enum ConfigError {
 
 /// A failure talking to the inbox tables.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// PostgreSQL returned an error or could not be reached.
     #[error("inbox database error: {0}")]
@@ -38,6 +40,7 @@ pub enum StoreError {
 
 /// A failure talking to RabbitMQ.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum BrokerError {
     /// The connection or a channel operation failed.
     #[error("RabbitMQ error: {0}")]
@@ -86,6 +89,7 @@ pub enum BrokerError {
 
 /// Why a consumer stopped.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConsumerError {
     /// The configuration is invalid.
     #[error(transparent)]

@@ -72,6 +72,7 @@ impl FaultPlan {
 
 /// A point inside one move of `redrive` where a planned kill stops it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RedriveStep {
     /// The row's reopen and audit record are written, not committed.
     BeforeCommit,

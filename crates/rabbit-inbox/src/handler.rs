@@ -100,6 +100,7 @@ impl<'a> InboxMessage<'a> {
 
 /// Whether a failed message may succeed later.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ErrorKind {
     /// May succeed later (a dependency is down, an entity has not arrived yet): retried through
     /// the broker's retry queue until the attempt budget is spent, then poisoned.
@@ -248,6 +249,7 @@ pub trait Handler: Send + Sync + 'static {
 
 /// A batch handler's failure.
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum BatchError {
     /// The message at `index` (into the slice the handler got) failed. The batch is rolled
     /// back and run again without it, in groups under savepoints; it is recorded as failed.

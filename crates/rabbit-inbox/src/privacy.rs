@@ -44,6 +44,7 @@ pub const SEALED_HEADERS: &str = "x-inbox-sealed";
 
 /// Why a stored payload cannot be turned back into its body, or a key not be added.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum PrivacyError {
     /// The key that sealed the payload was destroyed (crypto-shredding): the payload is gone
     /// for good, by design.

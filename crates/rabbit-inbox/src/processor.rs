@@ -39,6 +39,7 @@ pub(crate) type Parsed = Result<Envelope, Box<InvalidMessage>>;
 /// The durable result of one delivery, produced only after the state it describes is committed
 /// (or when none could be written). Each maps to one broker action (see ARCHITECTURE.md).
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub enum Outcome {
     /// This delivery's effect committed now. Broker: ack.
     Processed,

@@ -14,6 +14,7 @@ use crate::{config::RetryPolicy, error::ConfigError};
 /// What retention does with an expired row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum RetentionMode {
     /// Delete it (a tombstone stays).
     #[default]

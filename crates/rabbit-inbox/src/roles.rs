@@ -13,6 +13,7 @@ use crate::{SchemaName, schema::MIGRATIONS_TABLE};
 
 /// Which grants a role gets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RoleKind {
     /// A consumer instance: SELECT, INSERT, UPDATE on `message_inbox` and the outbox; SELECT on
     /// `inbox_tombstone`; records its recoveries ([`AuditWriter::Recovery`]).
@@ -65,6 +66,7 @@ impl std::str::FromStr for RoleKind {
 /// The audit functions of migration `0010`, one per family of actions (`SECURITY DEFINER`,
 /// owned by the schema's owner; a role may call those its kind has EXECUTE on).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum AuditWriter {
     /// `recover_republish`, `recover_manual_review`.
     Recovery,

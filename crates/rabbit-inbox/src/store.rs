@@ -25,6 +25,7 @@ pub const MAX_ERROR_MESSAGE_CHARS: usize = 2000;
 /// broker cannot disagree (see ARCHITECTURE.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+#[non_exhaustive]
 pub enum InboxStatus {
     /// Being worked on. The transactional mode never commits it (its claim commits PROCESSED
     /// with the effect); leased mode commits it with a lease while the work runs outside any
@@ -216,6 +217,7 @@ pub enum ConfirmedCopyKind {
 
 /// What claiming a message found.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub enum Claim {
     /// This transaction inserted the row: it owns the first attempt.
     Claimed,

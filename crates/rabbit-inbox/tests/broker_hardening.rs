@@ -219,6 +219,7 @@ async fn retries_go_through_the_tier_of_their_attempt(queue_type: QueueType) {
     let name = match queue_type {
         QueueType::Classic => "tiers-classic",
         QueueType::Quorum => "tiers-quorum",
+        other => panic!("no test topology for {other:?}"),
     };
     let mut topology = env.topology(name);
     topology.queue_type = queue_type;

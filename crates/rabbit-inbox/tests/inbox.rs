@@ -309,6 +309,7 @@ async fn db_rollback_removes_inbox_row_and_effect_together() {
     {
         Claim::Existing(record) => assert_eq!(record.status, InboxStatus::Processed),
         Claim::Claimed => panic!("a committed row must not be claimed again"),
+        other => panic!("unexpected claim {other:?}"),
     }
     tx.rollback().await.expect("rollback");
 }
@@ -370,6 +371,7 @@ async fn concurrent_claim_waits_for_the_first_transaction() {
     match claim {
         Claim::Existing(record) => assert_eq!(record.status, InboxStatus::Processed),
         Claim::Claimed => panic!("two transactions claimed the same key"),
+        other => panic!("unexpected claim {other:?}"),
     }
 }
 

@@ -22,6 +22,7 @@ pub const DEFAULT_MANAGEMENT_TLS_PORT: u16 = 15671;
 
 /// Why the management API could not be read.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ManagementError {
     /// The URL cannot be used (not http or https, no host).
     #[error("invalid management URL: {0}")]

@@ -169,6 +169,7 @@ pub trait LeasedHandler: Send + Sync + 'static {
 
 /// Why a fenced write did not commit.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum LeaseError {
     /// The row is no longer this lease's: its lease expired and another worker (or recovery)
     /// took it over with a higher fencing token, or it was completed or set aside. Nothing of

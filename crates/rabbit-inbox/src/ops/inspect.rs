@@ -249,6 +249,7 @@ pub struct ShowQuery {
 /// and could not be opened, which key sealed it and why it stayed sealed.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "encoding", content = "data", rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum Payload {
     /// Valid UTF-8.
     Utf8(String),

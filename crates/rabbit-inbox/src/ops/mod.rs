@@ -128,6 +128,7 @@ impl Progress for NoProgress {}
 
 /// Why an operation failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum OpsError {
     /// The request itself is wrong (missing actor or reason, bad filter, unknown message).
     #[error("{0}")]

@@ -40,6 +40,7 @@ pub const RECOVERY_HEADER: &str = "x-inbox-recovered";
 /// What recovery does with a row it finds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum RecoveryPolicy {
     /// Republish the stored payload to the work queue; the copy reclaims the row with one more
     /// attempt. A row without a stored payload, or with its attempts spent, goes to manual
@@ -52,6 +53,7 @@ pub enum RecoveryPolicy {
 /// Why a row was found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum RecoveryCause {
     /// PROCESSING under a lease that expired.
     LeaseExpired,
@@ -86,6 +88,7 @@ impl RecoveryCause {
 /// What was (or, in a dry run, would be) done with a row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum RecoveryAction {
     /// Republished to the work queue; the row is RETRYABLE_FAILED.
     Republished,

@@ -107,6 +107,7 @@ pub struct RedriveRequest {
 /// How a parked copy relates to the inbox.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum ParkedClass {
     /// Row parked: reopen and move.
     Reopen,
@@ -143,6 +144,7 @@ impl ParkedClass {
 /// What happened to one parked copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum ParkedAction {
     /// Published to the work queue and removed from the parking lot.
     Moved,

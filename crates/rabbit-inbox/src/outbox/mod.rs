@@ -265,6 +265,7 @@ pub(crate) fn outgoing(
 
 /// Why a message could not be written to the outbox.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum OutboxError {
     /// The message can never be published (a name over 255 bytes, headers AMQP cannot carry).
     #[error("invalid outbox message: {0}")]

@@ -139,6 +139,7 @@ impl RelayConfig {
 
 /// Why a relay stopped.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RelayError {
     /// The configuration is invalid.
     #[error(transparent)]

@@ -13,6 +13,7 @@ use crate::{error::StoreError, schema::SchemaName, store::audited};
 
 /// Status of an outbox row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum OutboxStatus {
     /// Committed, not yet confirmed by the broker.
     Pending,

@@ -755,6 +755,7 @@ impl BatchPlan {
             let error = |kind, code: &'static str, text: String| match kind {
                 ErrorKind::Retryable => HandlerError::retryable(code, text),
                 ErrorKind::Permanent => HandlerError::permanent(code, text),
+                other => panic!("no rule makes a {other:?} error"),
             };
             Some(match *rules.get(msg.message_id())? {
                 BatchRule::Blame(kind) => BatchError::Message {

@@ -43,6 +43,7 @@ const RECOVERY_SCAN_LIMIT: usize = 10_000;
 /// How bad a finding is. Ordered: the report's worst is the maximum.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum Severity {
     /// As the checklist wants it.
     Pass,
@@ -66,6 +67,7 @@ impl Severity {
 /// The part of the installation a check looks at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum Area {
     /// Tables, keys, indexes and constraints of the inbox schema.
     Schema,
