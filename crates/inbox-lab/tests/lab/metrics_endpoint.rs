@@ -15,14 +15,7 @@ use tokio::{
     process::Command,
 };
 
-fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
+use inbox_testkit::{amqp_url, database_url};
 
 /// Removes the schema and the queues when dropped, also when the test panics.
 struct Cleanup {

@@ -4,13 +4,7 @@
 //! connection, `DATABASE_URL`'s `sslmode`/`sslrootcert` the database's, and a bad file is named
 //! in the error. Skipped, with a note, when the endpoints are not running; `scripts/test` starts them.
 
-use std::{
-    hash::{BuildHasher, RandomState},
-    net::TcpStream,
-    path::PathBuf,
-    process::Output,
-    time::{Duration, SystemTime},
-};
+use std::{net::TcpStream, path::PathBuf, process::Output, time::Duration};
 
 use rabbit_inbox::{AmqpTls, Broker, SchemaName};
 use sqlx::PgPool;
@@ -114,11 +108,6 @@ impl Endpoints {
     }
 }
 
-fn random_hex() -> String {
-    let h = RandomState::new().hash_one((SystemTime::now(), std::process::id()));
-    format!("{h:016x}")
-}
-
 fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
@@ -163,7 +152,7 @@ impl Drop for Cleanup {
 #[tokio::test]
 async fn tls_flags_and_variables_reach_the_broker_and_the_database() {
     let Some(tls) = endpoints() else { return };
-    let id = random_hex();
+    let id = inbox_testkit::unique_suffix();
     let schema = format!("t_{id}");
     let (queue, exchange) = (format!("t-{id}"), format!("t-{id}.orders"));
     let _cleanup = Cleanup {
