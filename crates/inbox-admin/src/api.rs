@@ -1,5 +1,5 @@
 //! The JSON endpoints under `/api/v1`: inspection (read scope) and operator actions (admin
-//! scope). Each handler parses its request, calls [`Operations`](rabbit_inbox::ops::Operations)
+//! scope). Each handler parses its request, calls [`Operations`](inbox_ops::Operations)
 //! and returns the operation's report as JSON; no operation is implemented here.
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
@@ -9,14 +9,14 @@ use axum::{
     extract::{ConnectInfo, State},
 };
 use chrono::{DateTime, Utc};
+use inbox_ops::{
+    Actor, CleanupReport, CleanupRequest, DoctorReport, DoctorRequest, FailureGroup, ListFilter,
+    ListPage, MAX_REDRIVE_RATE, MIN_REDRIVE_RATE, NoProgress, RecoverRequest, RecoveryPolicy,
+    RecoveryReport, RedriveReport, RedriveRequest, Reopened, ShowQuery, ShowReport, StatusQuery,
+    StatusReport,
+};
 use rabbit_inbox::{
-    Broker, InboxStatus, ParkingLot, PayloadStorage, RetentionPolicy,
-    ops::{
-        Actor, CleanupReport, CleanupRequest, DoctorReport, DoctorRequest, FailureGroup,
-        ListFilter, ListPage, MAX_REDRIVE_RATE, MIN_REDRIVE_RATE, NoProgress, RecoverRequest,
-        RecoveryPolicy, RecoveryReport, RedriveReport, RedriveRequest, Reopened, ShowQuery,
-        ShowReport, StatusQuery, StatusReport,
-    },
+    InboxStatus, PayloadStorage, broker::Broker, broker::ParkingLot, retention::RetentionPolicy,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};

@@ -12,7 +12,7 @@ use axum::{
     middleware::Next,
     response::{IntoResponse, Response},
 };
-use rabbit_inbox::ops::OpsError;
+use inbox_ops::OpsError;
 use serde::de::DeserializeOwned;
 
 /// The response header carrying the request's id.

@@ -17,7 +17,7 @@ use axum::{
     response::{IntoResponse, Response},
 };
 use chrono::{DateTime, Utc};
-use rabbit_inbox::Broker;
+use rabbit_inbox::broker::Broker;
 use serde::Serialize;
 
 use crate::{BROKER_TIMEOUT, Server, error::ApiError};

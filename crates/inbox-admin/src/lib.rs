@@ -2,7 +2,7 @@
 //!
 //! Probes (`/healthz`, `/readyz`), `/metrics`, JSON inspection endpoints and audited operator
 //! actions under `/api/v1`, its OpenAPI description at `/api/v1/openapi.json`, and a dashboard
-//! page at `/`. Every endpoint is glue over [`rabbit_inbox::ops::Operations`]: the operations
+//! page at `/`. Every endpoint is glue over [`inbox_ops::Operations`]: the operations
 //! are written once, in the library, and the CLI and this server only front them.
 //!
 //! **Access:** read endpoints need a token of any scope (`read`, `read:payload`, `admin`);
@@ -38,8 +38,9 @@ use axum::{
     middleware,
     routing::get,
 };
+use inbox_ops::Operations;
 pub use metrics_exporter_prometheus::PrometheusHandle;
-use rabbit_inbox::{RetryPolicy, Topology, ops::Operations};
+use rabbit_inbox::{RetryPolicy, Topology};
 use tokio::net::TcpListener;
 use utoipa::{
     Modify, OpenApi,

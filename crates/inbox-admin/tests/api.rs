@@ -252,7 +252,7 @@ async fn readiness_fails_when_the_broker_is_unreachable_and_open_servers_stay_lo
         .await
         .expect("port");
     let state = inbox_admin::AdminState {
-        ops: rabbit_inbox::ops::Operations::new(fx.pool.clone(), fx.schema.clone()),
+        ops: inbox_ops::Operations::new(fx.pool.clone(), fx.schema.clone()),
         amqp_url: "amqp://guest:guest@127.0.0.1:1/%2f".into(),
         queues: None,
         tokens: Tokens::none(),
@@ -282,7 +282,7 @@ async fn readiness_fails_when_the_broker_is_unreachable_and_open_servers_stay_lo
         .expect("port");
     let addr = listener.local_addr().expect("addr");
     let state = inbox_admin::AdminState {
-        ops: rabbit_inbox::ops::Operations::new(fx.pool.clone(), fx.schema.clone()),
+        ops: inbox_ops::Operations::new(fx.pool.clone(), fx.schema.clone()),
         amqp_url: "amqp://guest:guest@127.0.0.1:1/%2f".into(),
         queues: None,
         tokens: Tokens::none(),

@@ -647,7 +647,7 @@ async fn database_errors_are_logged_under_a_request_id_not_returned() {
     let missing = rabbit_inbox::SchemaName::new(format!("{}_missing", fx.schema.as_str()))
         .expect("schema name");
     let mut state = fx.state(util::tokens(), None);
-    state.ops = rabbit_inbox::ops::Operations::new(fx.pool.clone(), missing.clone());
+    state.ops = inbox_ops::Operations::new(fx.pool.clone(), missing.clone());
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("port");
     let addr = listener.local_addr().expect("addr");
     let server = tokio::spawn(inbox_admin::serve(

@@ -12,7 +12,8 @@ use lapin::{
     types::FieldTable,
 };
 use rabbit_inbox::{
-    AmqpMessage, Claim, EnvelopeRules, Failure, InboxStatus, InboxStore, SchemaName,
+    EnvelopeRules, InboxStatus, SchemaName, envelope::AmqpMessage, store::Claim, store::Failure,
+    store::InboxStore,
 };
 use sqlx::PgPool;
 
@@ -94,7 +95,7 @@ pub(crate) async fn textbook(
     for _ in 0..count {
         let delivery = consumer.next().await.ok_or(BenchError::StreamEnded)??;
         let received = Instant::now();
-        let envelope = rabbit_inbox::parse(
+        let envelope = rabbit_inbox::envelope::parse(
             AmqpMessage {
                 message_id: delivery
                     .properties

@@ -14,7 +14,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use rabbit_inbox::{Broker, Consumer, ConsumerConfig, ConsumerStats, SchemaName, Topology};
+use rabbit_inbox::{
+    Consumer, ConsumerConfig, SchemaName, Topology, broker::Broker, stats::ConsumerStats,
+};
 use serde::Serialize;
 use sqlx::PgPool;
 
@@ -287,7 +289,7 @@ pub async fn run(
                 .await?,
             );
         }
-        rabbit_inbox::drop_schema(pool, &filled).await?;
+        rabbit_inbox::schema::drop_schema(pool, &filled).await?;
         let empty = summarize(
             format!("rabbit-inbox, batch handler, empty inbox (paired with {rows})"),
             options.messages,
@@ -328,7 +330,7 @@ pub async fn run(
     }
     broker.close().await;
     // A prefilled inbox can hold millions of rows: do not leave it behind.
-    rabbit_inbox::drop_schema(pool, &options.schema).await?;
+    rabbit_inbox::schema::drop_schema(pool, &options.schema).await?;
     Ok(report)
 }
 
@@ -378,7 +380,7 @@ async fn run_once(
         }
     };
     let topology = fresh_topology(broker, options, mode.slug()).await?;
-    let batch: Vec<(&str, &rabbit_inbox::OutgoingMessage)> = workload
+    let batch: Vec<(&str, &rabbit_inbox::broker::OutgoingMessage)> = workload
         .messages
         .iter()
         .map(|m| (topology.queue.as_str(), m))

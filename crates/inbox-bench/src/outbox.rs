@@ -28,7 +28,8 @@ use lapin::{
     types::FieldTable,
 };
 use rabbit_inbox::{
-    Broker, OutboxMessage, OutgoingMessage, Relay, RelayConfig, RetryPolicy, SchemaName, Topology,
+    OutboxMessage, Relay, RelayConfig, RetryPolicy, SchemaName, Topology, broker::Broker,
+    broker::OutgoingMessage,
 };
 use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgPool};
@@ -446,7 +447,7 @@ pub async fn run(
             "writers and messages must be positive".into(),
         ));
     }
-    rabbit_inbox::drop_schema(pool, &o.schema).await?;
+    rabbit_inbox::schema::drop_schema(pool, &o.schema).await?;
     rabbit_inbox::migrate(pool, &o.schema).await?;
     let topology = Topology::new(&o.queue);
     let retry = RetryPolicy::default();
@@ -496,7 +497,7 @@ pub async fn run(
     let _ = receiver.close(200, "done".into()).await;
     broker.delete(&topology, &retry).await?;
     broker.close().await;
-    rabbit_inbox::drop_schema(pool, &o.schema).await?;
+    rabbit_inbox::schema::drop_schema(pool, &o.schema).await?;
     Ok(OutboxReport {
         messages: o.messages,
         writers: o.writers,

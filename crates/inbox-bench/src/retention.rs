@@ -13,10 +13,10 @@ use std::{
 };
 
 use hdrhistogram::Histogram;
+use inbox_ops::{CleanupRequest, Operations, Progress};
 use rabbit_inbox::{
-    AmqpMessage, Envelope, EnvelopeRules, InboxStore, Redelivery, RetentionPolicy, RetryPolicy,
-    SchemaName,
-    ops::{CleanupRequest, Operations, Progress},
+    Envelope, EnvelopeRules, RetryPolicy, SchemaName, envelope::AmqpMessage,
+    retention::RetentionPolicy, store::InboxStore, store::Redelivery,
 };
 use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgPool};
@@ -122,7 +122,7 @@ pub async fn run(
     log: impl Fn(&str),
 ) -> Result<RetentionBenchResult, BenchError> {
     let schema = &options.schema;
-    rabbit_inbox::drop_schema(pool, schema).await?;
+    rabbit_inbox::schema::drop_schema(pool, schema).await?;
     rabbit_inbox::migrate(pool, schema).await?;
     let started = Instant::now();
     log(&format!("filling {} rows", options.rows));
@@ -171,7 +171,7 @@ pub async fn run(
     let table_mb_after = table_mb(pool, schema).await?;
     log("load alone again");
     let load_alone_after = load.measure_for(options.baseline).await?;
-    rabbit_inbox::drop_schema(pool, schema).await?;
+    rabbit_inbox::schema::drop_schema(pool, schema).await?;
     Ok(RetentionBenchResult {
         rows: options.rows,
         expired: expired.unsigned_abs(),
@@ -476,7 +476,7 @@ impl Worker {
             let redeliveries: Vec<Redelivery<'_>> = claims
                 .iter()
                 .zip(&envelopes)
-                .filter(|(c, _)| matches!(c, rabbit_inbox::Claim::Existing(_)))
+                .filter(|(c, _)| matches!(c, rabbit_inbox::store::Claim::Existing(_)))
                 .map(|(_, e)| Redelivery {
                     message_id: &e.message_id,
                     conflicting_sha256: None,
@@ -503,7 +503,7 @@ fn envelope(id: &str, rules: &EnvelopeRules) -> Result<Envelope, BenchError> {
         body: br#"{"n":1}"#.to_vec(),
         ..AmqpMessage::default()
     };
-    rabbit_inbox::parse(msg, rules).map_err(|e| BenchError::Invalid(e.detail))
+    rabbit_inbox::envelope::parse(msg, rules).map_err(|e| BenchError::Invalid(e.detail))
 }
 
 impl RetentionBenchResult {

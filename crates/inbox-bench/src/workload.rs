@@ -2,7 +2,8 @@
 //! exactly-once check.
 
 use rabbit_inbox::{
-    BatchError, BatchHandler, Handler, HandlerError, InboxMessage, OutgoingMessage, SchemaName,
+    BatchError, BatchHandler, Handler, HandlerError, InboxMessage, SchemaName,
+    broker::OutgoingMessage,
 };
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use serde_json::json;
@@ -185,7 +186,7 @@ pub(crate) async fn reset_schema(
     pool: &PgPool,
     schema: &SchemaName,
 ) -> Result<(), crate::BenchError> {
-    rabbit_inbox::drop_schema(pool, schema).await?;
+    rabbit_inbox::schema::drop_schema(pool, schema).await?;
     rabbit_inbox::migrate(pool, schema).await?;
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE TABLE \"{schema}\".bench_history (message_id TEXT NOT NULL, seq BIGINT NOT NULL)"

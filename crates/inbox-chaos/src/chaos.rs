@@ -13,7 +13,7 @@ use std::{
 use anyhow::Context;
 use clap::Args;
 use nix::{sys::signal::Signal, unistd::Pid};
-use rabbit_inbox::{InboxStatus, InboxStore, SchemaName, parking_headers};
+use rabbit_inbox::{InboxStatus, SchemaName, broker::parking_headers, store::InboxStore};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use tokio::process::{Child, Command};
 
@@ -303,11 +303,14 @@ async fn progress(
     pool: &sqlx::PgPool,
     schema: &SchemaName,
     config: &rabbit_inbox::ConsumerConfig,
-) -> Option<(order_service::Verification, rabbit_inbox::QueueDepths)> {
+) -> Option<(
+    order_service::Verification,
+    rabbit_inbox::broker::QueueDepths,
+)> {
     let v = order_service::verify(pool, schema).await.ok()?;
     // A short-lived connection: the fault schedule closes every connection of the run, and a
     // held one would be closed (and logged by lapin as an error) at every drop.
-    let broker = rabbit_inbox::Broker::connect(&servers.amqp_url, "inbox-lab chaos")
+    let broker = rabbit_inbox::broker::Broker::connect(&servers.amqp_url, "inbox-lab chaos")
         .await
         .ok()?;
     let depths = broker
@@ -442,7 +445,7 @@ pub async fn run(
     if cluster.is_some() {
         shipping_config.use_quorum_queues(None);
     }
-    rabbit_inbox::drop_schema(&pool, &shipping_schema).await?;
+    rabbit_inbox::schema::drop_schema(&pool, &shipping_schema).await?;
     rabbit_inbox::migrate(&pool, &shipping_schema).await?;
     shipping_service::migrate(&pool, &shipping_schema).await?;
     broker
@@ -502,7 +505,7 @@ pub async fn run(
         println!(
             "on the cluster at {}: quorum queues, {node_kills} node kills, {node_stops} node stops \
              ({} s down each), publishing at {} msgs/s while consuming",
-            rabbit_inbox::AmqpAddresses::parse(&servers.amqp_url)?,
+            rabbit_inbox::broker::AmqpAddresses::parse(&servers.amqp_url)?,
             args.cluster.node_down_secs,
             args.cluster.publish_rate
         );
@@ -553,7 +556,7 @@ pub async fn run(
     if hostile(Hostile::SimultaneousStart) {
         // A fresh schema: every consumer creates it and runs all migrations as it starts,
         // at the same moment, as a rolling deploy does.
-        rabbit_inbox::drop_schema(&pool, &schema)
+        rabbit_inbox::schema::drop_schema(&pool, &schema)
             .await
             .context("dropping the schema for the simultaneous start")?;
     }
@@ -1004,7 +1007,7 @@ struct ParkingCheck {
 
 impl ParkingLot {
     /// Drains the parking lot (the run's queues are recreated by the next run).
-    async fn read(broker: &rabbit_inbox::Broker, queue: &str) -> anyhow::Result<Self> {
+    async fn read(broker: &rabbit_inbox::broker::Broker, queue: &str) -> anyhow::Result<Self> {
         let mut copies = Vec::new();
         while let Some(m) = broker.take_one(queue).await? {
             let text = |name: &str| {
@@ -1042,7 +1045,7 @@ impl ParkingLot {
                 check.without_reason += 1;
                 continue;
             };
-            if code == rabbit_inbox::PAYLOAD_CONFLICT && conflicts.insert(key.clone()) {
+            if code == rabbit_inbox::status::PAYLOAD_CONFLICT && conflicts.insert(key.clone()) {
                 check.conflict_keys += 1;
             }
             let record = store
@@ -1051,7 +1054,7 @@ impl ParkingLot {
             let status = record.map(|r| r.status);
             if let Some(id) = copy.message_id.as_deref() {
                 codes_by_id.insert(id, code);
-                if code == rabbit_inbox::PAYLOAD_CONFLICT {
+                if code == rabbit_inbox::status::PAYLOAD_CONFLICT {
                     as_conflict.insert(id);
                 } else if matches!(
                     status,
@@ -1061,7 +1064,7 @@ impl ParkingLot {
                 }
             }
             match status {
-                Some(InboxStatus::Processed) if code != rabbit_inbox::PAYLOAD_CONFLICT => {
+                Some(InboxStatus::Processed) if code != rabbit_inbox::status::PAYLOAD_CONFLICT => {
                     check.processed_copies += 1;
                     check
                         .problems
@@ -1071,7 +1074,7 @@ impl ParkingLot {
                     if seen.insert(key.clone()) {
                         check.parked_rows_with_copy += 1;
                     }
-                    if code != rabbit_inbox::PAYLOAD_CONFLICT {
+                    if code != rabbit_inbox::status::PAYLOAD_CONFLICT {
                         check.parked_row_copies += 1;
                     }
                 }
@@ -1100,7 +1103,7 @@ impl ParkingLot {
             }
             let kind = format!("{:?}", h.kind);
             let code = if h.conflict {
-                rabbit_inbox::PAYLOAD_CONFLICT
+                rabbit_inbox::status::PAYLOAD_CONFLICT
             } else {
                 codes_by_id.get(id).copied().unwrap_or("missing")
             };

@@ -233,7 +233,7 @@ async fn publish_paced(
     const CONFIRM_TIMEOUT: Duration = Duration::from_secs(15);
     let per_tick = (rate as usize / 10).max(1);
     let mut figures = PublisherFigures::default();
-    let mut broker: Option<rabbit_inbox::Broker> = None;
+    let mut broker: Option<rabbit_inbox::broker::Broker> = None;
     let mut next = 0;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -242,7 +242,8 @@ async fn publish_paced(
         tick.tick().await;
         let chunk = &messages[next..(next + per_tick).min(messages.len())];
         if broker.is_none() {
-            match rabbit_inbox::Broker::connect(amqp_url, "inbox-lab chaos publisher").await {
+            match rabbit_inbox::broker::Broker::connect(amqp_url, "inbox-lab chaos publisher").await
+            {
                 Ok(b) => {
                     figures.reconnects += 1;
                     broker = Some(b);
@@ -258,7 +259,7 @@ async fn publish_paced(
         let Some(b) = broker.as_ref() else {
             continue;
         };
-        let batch: Vec<(&str, &rabbit_inbox::OutgoingMessage, Option<&str>)> = chunk
+        let batch: Vec<(&str, &rabbit_inbox::broker::OutgoingMessage, Option<&str>)> = chunk
             .iter()
             .map(|m| (m.routing_key.as_str(), &m.message, m.expiration.as_deref()))
             .collect();

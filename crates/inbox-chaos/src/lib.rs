@@ -14,7 +14,7 @@ pub mod soak;
 
 use anyhow::Context;
 use inboxctl::{Servers, connect};
-use rabbit_inbox::{Broker, ConsumerConfig, SchemaName};
+use rabbit_inbox::{ConsumerConfig, SchemaName, broker::Broker};
 
 /// The inbox and the example's tables in `schema`. Each takes the schema's lock, so any number
 /// of instances may start at once.
@@ -36,7 +36,7 @@ pub async fn clean_slate(
     config: &ConsumerConfig,
 ) -> anyhow::Result<(sqlx::PgPool, Broker)> {
     let pool = connect::postgres(&servers.database_url, connect::pool_size(config.lanes)).await?;
-    rabbit_inbox::drop_schema(&pool, &config.schema).await?;
+    rabbit_inbox::schema::drop_schema(&pool, &config.schema).await?;
     migrate_service(&pool, &config.schema).await?;
     // A connection of its own for the deletes: the declarations below must not depend on how
     // the broker took the deletion of queues an earlier run may not have left.
@@ -60,7 +60,7 @@ pub async fn publish_all(
     exchange: &str,
     messages: &[scenario::Published],
 ) -> anyhow::Result<()> {
-    let batch: Vec<(&str, &rabbit_inbox::OutgoingMessage, Option<&str>)> = messages
+    let batch: Vec<(&str, &rabbit_inbox::broker::OutgoingMessage, Option<&str>)> = messages
         .iter()
         .map(|m| (m.routing_key.as_str(), &m.message, m.expiration.as_deref()))
         .collect();

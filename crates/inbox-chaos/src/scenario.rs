@@ -5,8 +5,9 @@
 
 use order_service::messages::{order_cancelled, order_placed, payment_received, routing_key};
 use rabbit_inbox::{
-    AGGREGATE_ID_HEADER, CAUSATION_HEADER, OutgoingMessage, TENANT_HEADER, TRACEPARENT_HEADER,
-    TYPE_HEADER, VERSION_HEADER,
+    broker::OutgoingMessage, envelope::AGGREGATE_ID_HEADER, envelope::CAUSATION_HEADER,
+    envelope::TENANT_HEADER, envelope::TRACEPARENT_HEADER, envelope::TYPE_HEADER,
+    envelope::VERSION_HEADER,
 };
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use serde_json::Value;

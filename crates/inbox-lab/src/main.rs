@@ -14,7 +14,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use inbox_chaos::{chaos, migrate_service, scenario, soak};
 use inboxctl::{Servers, connect, error_chain, telemetry, when};
-use rabbit_inbox::{Consumer, RelayConfig, SchemaName};
+use rabbit_inbox::{Consumer, Relay, RelayConfig, Runner, SchemaName};
 
 /// The rabbit-inbox lab: the example services, the demo, benchmarks and reliability runs
 /// against the local PostgreSQL and RabbitMQ.
@@ -277,18 +277,23 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
             migrate_service(&pool, &config.schema).await?;
             let handler = order_service::OrderHandler::new(config.schema.clone())
                 .with_events_exchange(&args.events_exchange);
+            let sampler = args.observe.sampler(&pool, &config)?;
             let schema = config.schema.clone();
-            let mut consumer =
-                Consumer::new(servers.amqp_url.clone(), pool.clone(), config, handler)?;
-            if args.relay {
-                consumer = consumer.with_relay(pool, RelayConfig::new(schema))?;
-            }
+            let consumer = Consumer::new(servers.amqp_url.clone(), pool.clone(), config, handler)?;
             let stats = consumer.stats();
+            let mut service = Runner::new().task("consumer", |stop| consumer.run(stop));
+            if args.relay {
+                let relay = Relay::new(servers.amqp_url.clone(), pool, RelayConfig::new(schema))?;
+                service = service.task("outbox relay", |stop| relay.run(stop));
+            }
+            if let Some(sampler) = sampler {
+                service = service.task("sampler", |stop| sampler.run(stop));
+            }
             eprintln!(
                 "consuming {}; Ctrl-C or SIGTERM to stop",
                 args.service.queue
             );
-            consumer.run(rabbit_inbox::shutdown_signal()).await?;
+            service.run(rabbit_inbox::shutdown_signal()).await?;
             let s = stats.snapshot();
             eprintln!(
                 "stopped: received {}, processed {}, duplicates {}, retried {}, parked {}",

@@ -1,7 +1,7 @@
 //! Who asks for a change, and why: the arguments every mutating command takes.
 
 use clap::Args;
-use rabbit_inbox::ops::Actor;
+use inbox_ops::Actor;
 
 /// `--actor`, `--reason`, `--ticket`.
 #[derive(Args, Clone, Debug)]

@@ -4,9 +4,9 @@ use std::{process::ExitCode, time::Duration};
 
 use anyhow::{Context, bail};
 use clap::Args;
+use inbox_ops::{Actor, CleanupReport, CleanupRequest, Operations, OpsError};
 use rabbit_inbox::{
-    RetentionMode, RetentionPolicy, RetryPolicy, TypeRetention,
-    ops::{Actor, CleanupReport, CleanupRequest, Operations, OpsError},
+    RetryPolicy, retention::RetentionMode, retention::RetentionPolicy, retention::TypeRetention,
 };
 
 use crate::{

@@ -1,7 +1,7 @@
 //! Connecting with errors that say which server, at which address, and how to start it.
 
 use anyhow::anyhow;
-use rabbit_inbox::{Broker, BrokerError};
+use rabbit_inbox::{BrokerError, broker::Broker};
 use std::time::Duration;
 
 use sqlx::{
@@ -54,7 +54,7 @@ pub async fn postgres(url: &str, max_connections: u32) -> anyhow::Result<PgPool>
 
 /// The broker addresses of an AMQP URL list, without credentials.
 fn broker_addresses(url: &str) -> String {
-    rabbit_inbox::AmqpAddresses::parse(url)
+    rabbit_inbox::broker::AmqpAddresses::parse(url)
         .map_or_else(|_| address(url).to_owned(), |a| a.to_string())
 }
 
@@ -94,8 +94,8 @@ pub async fn parking_lot(
     url: &str,
     work_queue: &str,
     parking_queue: &str,
-) -> anyhow::Result<rabbit_inbox::ParkingLot> {
-    rabbit_inbox::ParkingLot::connect(url, work_queue, parking_queue)
+) -> anyhow::Result<rabbit_inbox::broker::ParkingLot> {
+    rabbit_inbox::broker::ParkingLot::connect(url, work_queue, parking_queue)
         .await
         .map_err(|e| broker_unreachable(url, e, "or point AMQP_URL at a running broker."))
 }

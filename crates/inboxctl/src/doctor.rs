@@ -4,9 +4,9 @@
 use std::{process::ExitCode, time::Duration};
 
 use clap::{Args, ValueEnum};
+use inbox_ops::{DoctorReport, DoctorRequest, Operations, Severity};
 use rabbit_inbox::{
-    PayloadStorage, QueueType, RetentionPolicy, TypeRetention,
-    ops::{DoctorReport, DoctorRequest, Operations, Severity},
+    PayloadStorage, QueueType, retention::RetentionPolicy, retention::TypeRetention,
 };
 
 use crate::{

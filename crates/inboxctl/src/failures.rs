@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use rabbit_inbox::ops::{FailureGroup, Operations};
+use inbox_ops::{FailureGroup, Operations};
 
 use crate::{
     Servers, connect,

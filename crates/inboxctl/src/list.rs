@@ -3,10 +3,8 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use rabbit_inbox::{
-    InboxStatus,
-    ops::{ListFilter, ListPage, Operations},
-};
+use inbox_ops::{ListFilter, ListPage, Operations};
+use rabbit_inbox::InboxStatus;
 
 use crate::{
     Servers, connect,

@@ -6,7 +6,10 @@ use std::{process::ExitCode, time::Duration};
 use crate::{Servers, connect};
 use anyhow::Context;
 use clap::Args;
-use rabbit_inbox::{OutboxRecord, OutboxStatus, OutboxStore, OutboxSummary, Relay, RelayConfig};
+use rabbit_inbox::{
+    Relay, RelayConfig, outbox::OutboxRecord, outbox::OutboxStatus, outbox::OutboxStore,
+    outbox::OutboxSummary,
+};
 use serde::Serialize;
 
 use crate::report;

@@ -4,10 +4,8 @@ use std::{process::ExitCode, time::Duration};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use rabbit_inbox::{
-    RetryPolicy,
-    ops::{Operations, RecoverRequest, RecoveryPolicy, RecoveryReport},
-};
+use inbox_ops::{Operations, RecoverRequest, RecoveryPolicy, RecoveryReport};
+use rabbit_inbox::RetryPolicy;
 
 use crate::{
     Servers,

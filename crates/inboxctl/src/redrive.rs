@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use rabbit_inbox::ops::{Operations, ParkedAction, RedriveReport, RedriveRequest};
+use inbox_ops::{Operations, ParkedAction, RedriveReport, RedriveRequest};
 
 use crate::{
     Servers,

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use rabbit_inbox::ops::{Operations, OpsError, Reopened};
+use inbox_ops::{Operations, OpsError, Reopened};
 
 use crate::{
     Servers,

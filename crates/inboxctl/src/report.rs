@@ -5,7 +5,8 @@ use std::{io::IsTerminal, time::Duration};
 
 use clap::Args;
 use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
-use rabbit_inbox::{SchemaName, ops::Progress};
+use inbox_ops::Progress;
+use rabbit_inbox::SchemaName;
 use serde::Serialize;
 
 /// The inbox an operations command acts on, and its output format.
@@ -133,7 +134,7 @@ impl QueueArgs {
     pub(crate) async fn parking_lot(
         &self,
         amqp_url: &str,
-    ) -> anyhow::Result<Option<rabbit_inbox::ParkingLot>> {
+    ) -> anyhow::Result<Option<rabbit_inbox::broker::ParkingLot>> {
         match self.topology() {
             None => Ok(None),
             Some((t, _)) => Ok(Some(

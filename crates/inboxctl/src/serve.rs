@@ -5,7 +5,8 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 use anyhow::Context;
 use clap::Args;
 use inbox_admin::{AdminState, Scope, ServeOptions, TlsFiles, Tokens};
-use rabbit_inbox::{SchemaName, ops::Operations, telemetry::InboxSampler};
+use inbox_ops::Operations;
+use rabbit_inbox::{InboxSampler, SchemaName};
 
 use crate::{Servers, connect, report::QueueArgs};
 
@@ -170,11 +171,12 @@ pub(crate) async fn run(servers: &Servers, args: ServeArgs) -> anyhow::Result<Ex
             consumer.clone(),
             retry.clone(),
             Duration::from_secs(args.sample_interval_secs),
-        );
+        )?;
         if let Some(secs) = args.replay_window_secs {
             sampler = sampler.with_replay_window(Duration::from_secs(secs));
         }
-        samplers.spawn(sampler.run());
+        // Aborted with the set when the server stops.
+        samplers.spawn(sampler.run(std::future::pending()));
     }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

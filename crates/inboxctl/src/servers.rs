@@ -42,10 +42,10 @@ pub struct Servers {
 impl Servers {
     /// The servers with the TLS files of `--amqp-ca-file`, `--amqp-client-cert` and
     /// `--amqp-client-key` written into every entry of the AMQP URL list (as its `cacertfile`,
-    /// `certfile` and `keyfile` query parameters, see [`rabbit_inbox::AmqpTls`]), so that every
+    /// `certfile` and `keyfile` query parameters, see [`rabbit_inbox::broker::AmqpTls`]), so that every
     /// connection made from the URL, in this process or a child given it, uses them.
     pub fn with_amqp_tls(mut self) -> anyhow::Result<Self> {
-        let tls = rabbit_inbox::AmqpTls {
+        let tls = rabbit_inbox::broker::AmqpTls {
             ca_file: self.amqp_ca_file.take(),
             client_cert: self.amqp_client_cert.take(),
             client_key: self.amqp_client_key.take(),

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use rabbit_inbox::ops::{Operations, Payload, ShowQuery, ShowReport};
+use inbox_ops::{Operations, Payload, ShowQuery, ShowReport};
 
 use crate::{
     Servers, connect,

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use rabbit_inbox::ops::{Operations, StatusQuery, StatusReport};
+use inbox_ops::{Operations, StatusQuery, StatusReport};
 
 use crate::{
     Servers, connect,

@@ -9,7 +9,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::trace::SdkTracerProvider;
-use rabbit_inbox::{ConsumerConfig, telemetry::metrics as m};
+use rabbit_inbox::{ConsumerConfig, InboxSampler, telemetry::metrics as m};
 
 /// Metrics and trace export of a consumer process (`inbox-lab consume`).
 #[derive(Args, Clone, Debug, Default)]
@@ -110,16 +110,32 @@ impl OtlpTls {
 }
 
 impl ObserveArgs {
-    /// Applies the labels and the sampling to the consumer's configuration.
+    /// Applies the labels to the consumer's configuration.
     pub fn configure(&self, config: &mut ConsumerConfig) {
-        if self.metrics_addr.is_some() {
-            config.telemetry.sample_interval = Some(Duration::from_secs(self.sample_interval_secs));
-        }
-        config.telemetry.replay_window = self.replay_window_secs.map(Duration::from_secs);
         config
             .telemetry
             .known_message_types
             .extend(self.known_message_types.iter().cloned());
+    }
+
+    /// The sampler of the inbox gauges to run beside the consumer, when metrics are served.
+    pub fn sampler(
+        &self,
+        pool: &sqlx::PgPool,
+        config: &ConsumerConfig,
+    ) -> anyhow::Result<Option<InboxSampler>> {
+        if self.metrics_addr.is_none() {
+            return Ok(None);
+        }
+        let mut sampler = InboxSampler::for_consumer(
+            pool.clone(),
+            config,
+            Duration::from_secs(self.sample_interval_secs),
+        )?;
+        if let Some(secs) = self.replay_window_secs {
+            sampler = sampler.with_replay_window(Duration::from_secs(secs));
+        }
+        Ok(Some(sampler))
     }
 
     /// Installs the Prometheus exporter, if asked for. Call inside the runtime.

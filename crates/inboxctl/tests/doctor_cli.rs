@@ -7,7 +7,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use rabbit_inbox::{Broker, RetryPolicy, SchemaName, Topology};
+use rabbit_inbox::{RetryPolicy, SchemaName, Topology, broker::Broker};
 use serde_json::Value;
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio::process::Command;
@@ -46,7 +46,7 @@ impl Drop for Cleanup {
                     broker.close().await;
                 }
                 if let Ok(pool) = PgPool::connect(&database_url()).await {
-                    let _ = rabbit_inbox::drop_schema(&pool, &schema).await;
+                    let _ = rabbit_inbox::schema::drop_schema(&pool, &schema).await;
                     pool.close().await;
                 }
             });

@@ -14,8 +14,8 @@ use std::{
 };
 
 use rabbit_inbox::{
-    Broker, Consumer, ConsumerConfig, Handler, HandlerError, InboxMessage, OutgoingMessage,
-    RetryPolicy, SchemaName, Topology,
+    Consumer, ConsumerConfig, Handler, HandlerError, InboxMessage, RetryPolicy, SchemaName,
+    Topology, broker::Broker, broker::OutgoingMessage,
 };
 use serde_json::{Value, json};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
@@ -85,7 +85,7 @@ impl Drop for Cleanup {
                     broker.close().await;
                 }
                 if let Ok(pool) = PgPool::connect(&database_url()).await {
-                    let _ = rabbit_inbox::drop_schema(&pool, &schema).await;
+                    let _ = rabbit_inbox::schema::drop_schema(&pool, &schema).await;
                     pool.close().await;
                 }
             });

@@ -9,8 +9,8 @@ use std::{
 };
 
 use rabbit_inbox::{
-    Broker, Consumer, ConsumerConfig, Handler, HandlerError, InboxMessage, InboxStatus, InboxStore,
-    OutgoingMessage, RetryPolicy, SchemaName, Topology,
+    Consumer, ConsumerConfig, Handler, HandlerError, InboxMessage, InboxStatus, RetryPolicy,
+    SchemaName, Topology, broker::Broker, broker::OutgoingMessage, store::InboxStore,
 };
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use tokio::process::Command;
@@ -73,7 +73,7 @@ impl Drop for Cleanup {
                     broker.close().await;
                 }
                 if let Ok(pool) = PgPool::connect(&database_url()).await {
-                    let _ = rabbit_inbox::drop_schema(&pool, &schema).await;
+                    let _ = rabbit_inbox::schema::drop_schema(&pool, &schema).await;
                     pool.close().await;
                 }
             });

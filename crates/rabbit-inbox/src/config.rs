@@ -1,201 +1,21 @@
-//! Consumer configuration: one struct from which the topology, the retry policy and the
-//! runtime's batching are derived. Defaults are fast and safe; see the README for each knob's
+//! [`ConsumerConfig`]: what a consumer needs besides its pool and handler, assembled from the
+//! parts' own types (the topology beside the broker code that declares it, the retry policy,
+//! the envelope rules, payload privacy, telemetry labels), and checked as a whole before the
+//! consumer connects. Defaults are fast and safe; docs/configuration.md gives each knob's
 //! trade-off.
 
 use std::time::Duration;
 
 use crate::{
-    envelope::EnvelopeRules, error::ConfigError, privacy::PayloadPrivacy,
-    retention::RetentionPolicy, schema::SchemaName, telemetry::TelemetryConfig,
+    broker::{QueueType, Topology},
+    dedup::DedupStrategy,
+    envelope::{EnvelopeRules, FieldLimits},
+    error::ConfigError,
+    privacy::{PayloadPrivacy, PayloadStorage},
+    retry::RetryPolicy,
+    schema::SchemaName,
+    telemetry::TelemetryConfig,
 };
-
-/// The queues a consumer declares and uses.
-///
-/// ```text
-/// exchange --binding--> queue --consumer: publish (confirmed), then ack--> <retry_queue>.<delay>
-///                         ^     (one queue per retry tier, TTL = its delay)      |
-///                         +------------------- dead-letter ----------------------+
-/// queue --broker-side dead-lettering (e.g. x-delivery-limit)--> first retry tier
-/// consumer --publish with reason headers (confirmed), then ack--> parking-lot queue
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Topology {
-    /// The work queue.
-    pub queue: String,
-    /// Exchange producers publish to; declared as a durable topic exchange and bound to the
-    /// work queue with `binding_keys`. `None`: producers publish to the queue directly.
-    pub exchange: Option<String>,
-    /// Routing keys bound from `exchange` to the work queue.
-    pub binding_keys: Vec<String>,
-    /// Base name of the delayed-retry queues: one queue per delay of
-    /// [`RetryPolicy::delays`], named `<retry_queue>.<delay>` (e.g. `orders.retry.5s`, see
-    /// [`Topology::retry_tier_queue`]). Messages wait there for the tier's delay, then
-    /// dead-letter back to the work queue.
-    pub retry_queue: String,
-    /// Where permanently failed and poisoned messages are kept, with the reason in headers.
-    pub parking_queue: String,
-    /// Queue type of all three queues.
-    pub queue_type: QueueType,
-    /// Declare the work queue with `x-single-active-consumer`: of several instances on the
-    /// queue, the broker delivers to one at a time and fails over to the next when it goes
-    /// away. Keeps one queue's delivery order across instances, at the cost of one active
-    /// consumer per queue (scale out with several queues, e.g. a consistent-hash exchange).
-    pub single_active_consumer: bool,
-    /// `x-delivery-limit` of a quorum work queue: after this many returns to the queue
-    /// (requeues, lost sessions) the broker dead-letters the message into the first retry tier.
-    /// Must exceed `retry.max_attempts + prefetch` (checked by [`ConsumerConfig::validate`]).
-    /// `None` declares no limit: unlimited on RabbitMQ 3.x, while RabbitMQ 4 applies its
-    /// default of 20 to quorum queues, so set it explicitly there.
-    pub delivery_limit: Option<u32>,
-}
-
-/// RabbitMQ queue type.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum QueueType {
-    /// Classic durable queues.
-    #[default]
-    Classic,
-    /// Quorum queues (replicated; for clusters).
-    Quorum,
-}
-
-impl Topology {
-    /// A work queue `queue` with `<queue>.retry` and `<queue>.parking-lot`, fed directly.
-    pub fn new(queue: impl Into<String>) -> Self {
-        let queue = queue.into();
-        Self {
-            retry_queue: format!("{queue}.retry"),
-            parking_queue: format!("{queue}.parking-lot"),
-            queue,
-            exchange: None,
-            binding_keys: Vec::new(),
-            queue_type: QueueType::Classic,
-            single_active_consumer: false,
-            delivery_limit: None,
-        }
-    }
-
-    /// The retry queue of the tier with `delay`: `<retry_queue>.<delay>`, the delay written
-    /// in the largest whole unit (`200ms`, `5s`, `2m`, `1h`).
-    pub fn retry_tier_queue(&self, delay: Duration) -> String {
-        format!("{}.{}", self.retry_queue, delay_label(delay))
-    }
-
-    /// The retry queues of `retry`'s tiers, in tier order.
-    pub fn retry_tier_queues(&self, retry: &RetryPolicy) -> Vec<String> {
-        retry
-            .delays
-            .iter()
-            .map(|d| self.retry_tier_queue(*d))
-            .collect()
-    }
-
-    /// Declare all three queues as quorum queues (replicated across a cluster's nodes), with
-    /// at-least-once dead-lettering between them.
-    pub fn with_quorum_queues(mut self) -> Self {
-        self.queue_type = QueueType::Quorum;
-        self
-    }
-
-    /// Declare a quorum work queue with `x-delivery-limit` (see [`Topology::delivery_limit`]).
-    pub fn with_delivery_limit(mut self, limit: u32) -> Self {
-        self.delivery_limit = Some(limit);
-        self
-    }
-
-    /// Declare the work queue with a single active consumer (see
-    /// [`Topology::single_active_consumer`]).
-    pub fn with_single_active_consumer(mut self) -> Self {
-        self.single_active_consumer = true;
-        self
-    }
-
-    /// Also declare `exchange` (topic) and bind the work queue with `binding_keys`.
-    pub fn with_exchange(mut self, exchange: impl Into<String>, binding_keys: &[&str]) -> Self {
-        self.exchange = Some(exchange.into());
-        self.binding_keys = binding_keys.iter().map(|k| (*k).to_owned()).collect();
-        self
-    }
-}
-
-/// `delay` in its largest whole unit: `200ms`, `5s`, `2m`, `1h`.
-fn delay_label(delay: Duration) -> String {
-    let ms = delay.as_millis();
-    if !ms.is_multiple_of(1000) {
-        return format!("{ms}ms");
-    }
-    let s = ms / 1000;
-    if s.is_multiple_of(3600) && s > 0 {
-        format!("{}h", s / 3600)
-    } else if s.is_multiple_of(60) && s > 0 {
-        format!("{}m", s / 60)
-    } else {
-        format!("{s}s")
-    }
-}
-
-/// Which bodies the inbox keeps (section "payload storage" of the README).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum PayloadStorage {
-    /// Keep bodies of failed and parked messages only; processed rows keep metadata and hash.
-    #[default]
-    FailedOnly,
-    /// Keep every body.
-    Always,
-    /// Keep no body (hash and metadata only).
-    Never,
-}
-
-/// Retry budget and timing.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RetryPolicy {
-    /// Attempts before a retryable failure becomes POISONED and is parked.
-    pub max_attempts: i32,
-    /// Retry tiers: after failed attempt `n` a message waits `delays[n - 1]` (the last delay
-    /// for every attempt past the list) in that tier's own retry queue, then comes back.
-    /// Strictly increasing. One queue per tier, because a per-message TTL in one queue would
-    /// hold short delays behind a long one at its head.
-    pub delays: Vec<Duration>,
-    /// A committed PROCESSING row older than this is taken over as abandoned.
-    pub stale_processing_after: Duration,
-}
-
-impl Default for RetryPolicy {
-    /// 5 attempts; retries after 1 s, 5 s, 30 s, 2 min, 10 min.
-    fn default() -> Self {
-        Self::tiered(
-            [1, 5, 30, 120, 600]
-                .into_iter()
-                .map(Duration::from_secs)
-                .collect(),
-        )
-    }
-}
-
-impl RetryPolicy {
-    /// The default budget with tiers `delays`.
-    pub fn tiered(delays: Vec<Duration>) -> Self {
-        Self {
-            max_attempts: 5,
-            delays,
-            stale_processing_after: Duration::from_secs(300),
-        }
-    }
-
-    /// The default budget with one retry tier: every retry waits `delay`.
-    pub fn fixed(delay: Duration) -> Self {
-        Self::tiered(vec![delay])
-    }
-
-    /// Index into [`RetryPolicy::delays`] of the tier a message goes to after failed attempt
-    /// `attempt` (1-based); clamped to the last tier.
-    pub fn tier_of_attempt(&self, attempt: i32) -> usize {
-        let n = usize::try_from(attempt.max(1)).unwrap_or(1);
-        n.min(self.delays.len()).saturating_sub(1)
-    }
-}
 
 /// Everything a [`crate::Consumer`] needs besides its pool and handler.
 #[derive(Clone, Debug)]
@@ -227,22 +47,11 @@ pub struct ConsumerConfig {
     pub payload_storage: PayloadStorage,
     /// Per-type storage, redaction and encryption of stored payloads.
     pub privacy: PayloadPrivacy,
-    /// Retention, run by the consumer every `retention.interval` (and by `inboxctl cleanup`);
-    /// its dedup window is checked against `retry` at start-up.
-    pub retention: Option<RetentionPolicy>,
-    /// Who accepted a `retention` whose dedup window fails the check, and why. Without it such
-    /// a configuration is refused at start-up; with it the consumer starts (with a warning),
-    /// and every cleanup its timer runs is written to `inbox_audit` under this actor, as a
-    /// forced `inboxctl cleanup` is.
-    pub retention_window_forced_by: Option<crate::ops::Actor>,
     /// First reconnect delay after losing the broker or the database; doubles up to
     /// `reconnect_max_delay`.
     pub reconnect_initial_delay: Duration,
     /// Longest reconnect delay.
     pub reconnect_max_delay: Duration,
-    /// Recovery of stale leases and lost retries on a timer inside the consumer (off by
-    /// default; `inboxctl recover` runs the same operation by hand).
-    pub recovery: Option<crate::ops::RecoveryConfig>,
     /// Metric labels and the sampling of the inbox gauges.
     pub telemetry: TelemetryConfig,
     /// Whether handlers' outbox writes NOTIFY the relays (see [`crate::Outbox::with_notify`]).
@@ -280,11 +89,8 @@ impl ConsumerConfig {
             lock_aggregates: false,
             payload_storage: PayloadStorage::FailedOnly,
             privacy: PayloadPrivacy::default(),
-            retention: None,
-            retention_window_forced_by: None,
             reconnect_initial_delay: Duration::from_millis(200),
             reconnect_max_delay: Duration::from_secs(10),
-            recovery: None,
             telemetry: TelemetryConfig::default(),
             outbox_notify: true,
         }
@@ -300,12 +106,6 @@ impl ConsumerConfig {
         };
         if self.consumer_name.trim().is_empty() || self.consumer_name.len() > 255 {
             return invalid("consumer_name", "must be 1 to 255 bytes");
-        }
-        if self.telemetry.sample_interval == Some(Duration::ZERO) {
-            return invalid(
-                "telemetry.sample_interval",
-                "must be longer than zero (None: no sampling)",
-            );
         }
         let t = &self.topology;
         for (name, q) in [
@@ -408,26 +208,26 @@ impl ConsumerConfig {
             }
         }
         if limits.aggregate_type.saturating_add(limits.aggregate_id)
-            > crate::FieldLimits::MAX_AGGREGATE_BYTES
+            > FieldLimits::MAX_AGGREGATE_BYTES
         {
             return invalid(
                 "envelope.field_limits",
                 &format!(
                     "aggregate_type + aggregate_id must not exceed {} bytes (one index entry)",
-                    crate::FieldLimits::MAX_AGGREGATE_BYTES
+                    FieldLimits::MAX_AGGREGATE_BYTES
                 ),
             );
         }
-        if limits.traceparent < crate::FieldLimits::TRACEPARENT_V00_LEN {
+        if limits.traceparent < FieldLimits::TRACEPARENT_V00_LEN {
             return invalid(
                 "envelope.field_limits.traceparent",
                 &format!(
                     "must be at least {} (a W3C traceparent of version 00)",
-                    crate::FieldLimits::TRACEPARENT_V00_LEN
+                    FieldLimits::TRACEPARENT_V00_LEN
                 ),
             );
         }
-        if let crate::DedupStrategy::PayloadFields(fields) = &self.envelope.dedup
+        if let DedupStrategy::PayloadFields(fields) = &self.envelope.dedup
             && (fields.is_empty() || fields.iter().any(|f| !f.starts_with('/')))
         {
             return invalid(
@@ -435,28 +235,11 @@ impl ConsumerConfig {
                 "payload fields must be non-empty JSON pointers like /order_id",
             );
         }
-        if let Some(recovery) = &self.recovery {
-            recovery.validate()?;
-        }
         if let Some(pointer) = self.privacy.invalid_pointer() {
             return invalid(
                 "privacy.redact",
                 &format!("{pointer:?} is not a JSON pointer (like /card/number)"),
             );
-        }
-        if let Some(retention) = &self.retention {
-            retention.validate()?;
-            if let Err(unsafe_window) = retention.check_window(&self.retry) {
-                let Some(actor) = &self.retention_window_forced_by else {
-                    return Err(unsafe_window);
-                };
-                tracing::warn!(
-                    consumer = %self.consumer_name,
-                    actor = actor.name(),
-                    reason = actor.reason(),
-                    "{unsafe_window}; accepted, every cleanup is audited"
-                );
-            }
         }
         if self.reconnect_initial_delay.is_zero()
             || self.reconnect_max_delay < self.reconnect_initial_delay
@@ -506,26 +289,8 @@ mod tests {
         let mut c = ConsumerConfig::new("", Topology::new("orders"));
         assert!(c.validate().is_err());
         c.consumer_name = "svc".into();
-        c.envelope.dedup = crate::DedupStrategy::PayloadFields(vec!["order_id".into()]);
+        c.envelope.dedup = DedupStrategy::PayloadFields(vec!["order_id".into()]);
         assert!(c.validate().is_err());
-    }
-
-    #[test]
-    fn attempts_map_to_tiers_clamped_at_the_last() {
-        let r = RetryPolicy::default();
-        assert_eq!(r.tier_of_attempt(1), 0);
-        assert_eq!(r.tier_of_attempt(2), 1);
-        assert_eq!(r.tier_of_attempt(5), 4);
-        assert_eq!(r.tier_of_attempt(50), 4);
-        assert_eq!(r.tier_of_attempt(0), 0);
-        assert_eq!(
-            RetryPolicy::fixed(Duration::from_secs(3)).tier_of_attempt(7),
-            0
-        );
-        assert_eq!(delay_label(Duration::from_millis(200)), "200ms");
-        assert_eq!(delay_label(Duration::from_millis(1500)), "1500ms");
-        assert_eq!(delay_label(Duration::from_secs(90)), "90s");
-        assert_eq!(delay_label(Duration::from_secs(7200)), "2h");
     }
 
     #[test]
@@ -553,7 +318,7 @@ mod tests {
     #[test]
     fn field_limits_are_checked() {
         let base = ConsumerConfig::new("svc", Topology::new("orders"));
-        let err = |change: &dyn Fn(&mut crate::FieldLimits)| {
+        let err = |change: &dyn Fn(&mut FieldLimits)| {
             let mut c = base.clone();
             change(&mut c.envelope.field_limits);
             c.validate().err().map(|e| e.to_string())

@@ -23,17 +23,17 @@ use tokio::{sync::mpsc, task::JoinSet, time::Instant};
 
 use crate::{
     backoff::Backoff,
-    broker::{self, PendingDelivery, Session, Settler},
+    broker::{self, PendingDelivery, Session, SessionSettings, Settler, check_addresses},
     config::ConsumerConfig,
     envelope::{self, AmqpMessage, InvalidMessage, InvalidReason},
     error::{ConfigError, ConsumerError},
     handler::{BatchHandler, Handler, PerMessage},
     lease::{LeaseConfig, Leased, LeasedHandler, LeasedProcessor},
-    outbox::{Relay, RelayConfig},
-    processor::{Outcome, Parsed, Process, Processor},
+    processor::{Parsed, Process, Processor},
     session_loss::{DeliverySummary, SessionLosses},
     stats::ConsumerStats,
-    telemetry::{self, sampler::Sampler},
+    status::Outcome,
+    telemetry,
 };
 
 /// A running consumer of one queue for one handler.
@@ -42,8 +42,6 @@ pub struct Consumer<H> {
     config: ConsumerConfig,
     processor: Arc<dyn Process>,
     stats: Arc<ConsumerStats>,
-    /// The outbox relay run beside the consumer, if configured.
-    relay: Option<Relay>,
     #[cfg(feature = "fault-injection")]
     faults: Arc<crate::fault::FaultPlan>,
     handler: PhantomData<fn() -> H>,
@@ -62,7 +60,7 @@ impl<H: Handler> Consumer<PerMessage<H>> {
     /// A consumer of `config.topology.queue` on the broker at `amqp_url`, with the inbox (and
     /// the handler's business tables) in `pool`, running `handler` once per message. On a
     /// cluster, `amqp_url` lists the nodes' URLs separated by commas: each (re)connect takes
-    /// the first that accepts (see [`crate::AmqpAddresses`]). Validates the configuration. Run [`crate::migrate`] first.
+    /// the first that accepts (see [`crate::broker::AmqpAddresses`]). Validates the configuration. Run [`crate::migrate`] first.
     pub fn new(
         amqp_url: impl Into<String>,
         pool: PgPool,
@@ -145,37 +143,10 @@ impl<H> Consumer<H> {
             processor: make_processor(stats.clone()),
             config,
             stats,
-            relay: None,
             #[cfg(feature = "fault-injection")]
             faults: Arc::default(),
             handler: PhantomData,
         })
-    }
-
-    /// Also runs an outbox relay in this process, publishing what the handler (or anything
-    /// else) wrote to the outbox of `relay.schema`, over its own broker connection and one
-    /// database connection of `pool` at a time (plus one LISTEN connection of its own). It
-    /// stops with the consumer. Other relays (`inboxctl relay`, other instances) may run on
-    /// the same outbox at the same time.
-    pub fn with_relay(mut self, pool: PgPool, relay: RelayConfig) -> Result<Self, ConfigError> {
-        let max_connections = pool.options().get_max_connections();
-        if max_connections as usize <= self.config.lanes + 1 {
-            return Err(ConfigError::InvalidSetting {
-                name: "pool",
-                reason: format!(
-                    "the pool allows {max_connections} connections; the consumer's {} lanes and \
-                     the relay each hold one: allow at least lanes + 2",
-                    self.config.lanes
-                ),
-            });
-        }
-        self.relay = Some(Relay::new(self.amqp_url.clone(), pool, relay)?);
-        Ok(self)
-    }
-
-    /// The in-process relay's counters, if one is configured.
-    pub fn relay_stats(&self) -> Option<Arc<crate::outbox::RelayStats>> {
-        self.relay.as_ref().map(Relay::stats)
     }
 
     /// Live counters.
@@ -193,72 +164,21 @@ impl<H> Consumer<H> {
     /// the ones in hand, and closes the connection. Broker or database outages are ridden out
     /// with reconnects and back-off; only a configuration the broker refuses (e.g. a queue that
     /// exists with other arguments) ends the run with an error.
-    pub async fn run(
-        mut self,
-        shutdown: impl Future<Output = ()> + Send,
-    ) -> Result<(), ConsumerError> {
-        let Some(relay) = self.relay.take() else {
-            return self.consume(shutdown).await;
-        };
-        // The relay stops when the consumer does, whichever way.
-        let (stop, stopped) = tokio::sync::watch::channel(false);
-        let relay = tokio::spawn(relay.run(async move {
-            let mut stopped = stopped;
-            let _ = stopped.wait_for(|&s| s).await;
-        }));
-        let consumed = self.consume(shutdown).await;
-        let _ = stop.send(true);
-        match relay.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::error!(error = %e, "outbox relay stopped"),
-            Err(e) => tracing::error!(error = %e, "outbox relay task failed"),
-        }
-        consumed
-    }
-
-    async fn consume(
-        &self,
-        shutdown: impl Future<Output = ()> + Send,
-    ) -> Result<(), ConsumerError> {
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ConsumerError> {
         let mut shutdown = std::pin::pin!(shutdown);
-        // Aborted when the run ends, however it ends.
-        let _recovery = self.config.recovery.as_ref().map(|recovery| {
-            crate::ops::RecoveryTask::spawn(
-                self.processor.pool().clone(),
-                self.amqp_url.clone(),
-                &self.config,
-                recovery.clone(),
-            )
-        });
-        // Dropped (and so aborted) when `run` returns.
-        let _retention = self.spawn_retention();
         telemetry::metrics::describe();
-        // Dropped (and so aborted) when the run ends.
-        let mut background = JoinSet::new();
-        if let Some(interval) = self.config.telemetry.sample_interval {
-            background.spawn(
-                Sampler {
-                    pool: self.processor.pool().clone(),
-                    store: crate::store::InboxStore::new(self.config.schema.clone()),
-                    consumer: self.config.consumer_name.clone(),
-                    retry: self.config.retry.clone(),
-                    interval,
-                    replay_window: self.config.telemetry.replay_window,
-                }
-                .run(),
-            );
-        }
         let backoff = Backoff::new(
             self.config.reconnect_initial_delay,
             self.config.reconnect_max_delay,
         );
         // A session that lived through the longest back-off was healthy, as for the back-off.
         let mut losses = SessionLosses::new(self.config.reconnect_max_delay);
+        let settings = session_settings(&self.config);
         loop {
             let opened = tokio::select! {
                 biased;
                 () = &mut shutdown => return Ok(()),
-                opened = Session::open(&self.amqp_url, &self.config) => opened,
+                opened = Session::open(&self.amqp_url, &settings) => opened,
             };
             let delay = match opened {
                 Ok(session) => {
@@ -297,44 +217,6 @@ impl<H> Consumer<H> {
                 () = tokio::time::sleep(delay) => {}
             }
         }
-    }
-
-    /// Cleanup on a timer when `retention.interval` is set. Instances take turns through the
-    /// cleaner's advisory lock: one that finds it taken skips that round.
-    fn spawn_retention(&self) -> Option<tokio::task::JoinSet<()>> {
-        let retention = self.config.retention.clone()?;
-        let interval = retention.interval?;
-        let ops =
-            crate::ops::Operations::new(self.processor.pool().clone(), self.config.schema.clone());
-        let mut request = crate::ops::CleanupRequest::new(
-            &self.config.consumer_name,
-            retention,
-            self.config.retry.clone(),
-        );
-        request.force = self.config.retention_window_forced_by.clone();
-        let mut task = tokio::task::JoinSet::new();
-        task.spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                match ops.cleanup(&request, &crate::ops::NoProgress).await {
-                    Ok(r) => tracing::debug!(
-                        scrubbed = r.scrubbed,
-                        removed = r.removed_processed + r.removed_parked,
-                        tombstones_expired = r.tombstones_expired,
-                        "retention ran"
-                    ),
-                    Err(crate::ops::OpsError::Refused(why)) => {
-                        tracing::debug!(%why, "retention skipped")
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "retention failed; trying again next round")
-                    }
-                }
-            }
-        });
-        Some(task)
     }
 
     async fn session(
@@ -466,23 +348,16 @@ impl<H> Consumer<H> {
     }
 }
 
-/// Completes on SIGINT (Ctrl-C) or SIGTERM: the usual shutdown future for [`Consumer::run`].
-pub async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-                return;
-            }
-            Err(e) => tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops"),
-        }
+/// What the broker side of a session needs of the configuration.
+fn session_settings(config: &ConsumerConfig) -> SessionSettings<'_> {
+    SessionSettings {
+        consumer_name: &config.consumer_name,
+        topology: &config.topology,
+        retry: &config.retry,
+        prefetch: config.prefetch,
+        reconnect_initial_delay: config.reconnect_initial_delay,
+        reconnect_max_delay: config.reconnect_max_delay,
     }
-    let _ = tokio::signal::ctrl_c().await;
 }
 
 fn parse(message: AmqpMessage, pending: &PendingDelivery, config: &ConsumerConfig) -> Parsed {
@@ -640,15 +515,4 @@ async fn lane(mut rx: mpsc::Receiver<Work>, ctx: LaneContext) {
             ctx.broken.notify_one();
         }
     }
-}
-
-/// A bad broker address is a configuration error, reported when the consumer (or relay) is
-/// built rather than on every reconnect.
-pub(crate) fn check_addresses(amqp_url: &str) -> Result<(), ConfigError> {
-    crate::AmqpAddresses::parse(amqp_url)
-        .map(drop)
-        .map_err(|e| ConfigError::InvalidSetting {
-            name: "amqp_url",
-            reason: e.to_string(),
-        })
 }

@@ -3,23 +3,25 @@
 //! after the outcome is durable.
 
 use std::{
-    any::Any, borrow::Cow, future::Future, panic::AssertUnwindSafe, sync::atomic::AtomicU32,
+    any::Any,
+    borrow::Cow,
+    future::Future,
+    panic::AssertUnwindSafe,
+    sync::atomic::{AtomicU32, Ordering},
 };
 
 use futures::FutureExt;
 use serde::de::DeserializeOwned;
+use serde_json::Value;
 use sha2::{Digest, Sha256};
 use sqlx::PgConnection;
 
 use crate::{
     db_error::{DbErrorClass, deterministic_code},
     envelope::Envelope,
-    outbox::{MessageOutbox, Outbox},
+    outbox::{Enqueued, Outbox, OutboxError, OutboxMessage, child_traceparent, emitted_message_id},
+    status::HANDLER_PANICKED,
 };
-
-/// Error code recorded when a handler panics. The message is parked with the panic's text: a
-/// panic in a handler is a bug the message exposed, and retrying runs into it again.
-pub const HANDLER_PANICKED: &str = "handler_panicked";
 
 /// A message as a handler sees it: the envelope plus the consumer's view of it.
 #[derive(Debug, Clone, Copy)]
@@ -316,6 +318,67 @@ impl<H: Handler> BatchHandler for PerMessage<H> {
     }
 }
 
+/// A handler's outbox failure: an invalid message is the handler's bug (permanent); a database
+/// error is classified like any other.
+impl From<OutboxError> for HandlerError {
+    fn from(e: OutboxError) -> Self {
+        match e {
+            OutboxError::Invalid(text) => HandlerError::permanent("outbox_invalid_message", text),
+            OutboxError::Database(e) => e.into(),
+        }
+    }
+}
+
+/// A handler's outbox: writes through the handler's transaction, with ids derived from the
+/// incoming message's key, the consumer and the message's position among those it emits.
+/// Obtained from [`crate::InboxMessage::outbox`].
+pub struct MessageOutbox<'c> {
+    pub(crate) tx: &'c mut PgConnection,
+    pub(crate) outbox: &'c Outbox,
+    pub(crate) incoming: &'c Envelope,
+    pub(crate) consumer: &'c str,
+    /// Shared by every handle of one handler run, so two handles never reuse a position.
+    pub(crate) position: &'c AtomicU32,
+}
+
+impl MessageOutbox<'_> {
+    /// Writes `message`, emitted while handling the incoming message. Unless set on `message`:
+    /// the id is [`emitted_message_id`]`(consumer, incoming key, position)`, the causation id
+    /// the incoming message's id, the correlation id the incoming one's (else its id), and
+    /// the trace context a child of the incoming `traceparent`. A replay of the incoming
+    /// message emits the same ids (`Enqueued::inserted` is then false if the rows are kept).
+    pub async fn enqueue(&mut self, mut message: OutboxMessage) -> Result<Enqueued, HandlerError> {
+        let position = self.position.fetch_add(1, Ordering::Relaxed);
+        let incoming = self.incoming;
+        let id = message
+            .message_id
+            .take()
+            .unwrap_or_else(|| emitted_message_id(self.consumer, &incoming.message_id, position));
+        message
+            .causation_id
+            .get_or_insert_with(|| incoming.message_id.clone());
+        if message.correlation_id.is_none() {
+            message.correlation_id = Some(
+                incoming
+                    .correlation_id
+                    .clone()
+                    .unwrap_or_else(|| incoming.message_id.clone()),
+            );
+        }
+        if message.traceparent.is_none() {
+            message.traceparent = incoming.traceparent.as_deref().and_then(child_traceparent);
+            if message.traceparent.is_some() {
+                message.tracestate = incoming
+                    .headers
+                    .get("tracestate")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned);
+            }
+        }
+        Ok(self.outbox.write(self.tx, &message, id).await?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -331,7 +394,7 @@ mod tests {
             &EnvelopeRules::default(),
         )
         .expect("valid");
-        let outbox = Outbox::new(crate::SchemaName::default());
+        let outbox = Outbox::new(crate::schema::SchemaName::default());
         let emitted = AtomicU32::new(0);
         InboxMessage {
             envelope: &envelope,
@@ -366,7 +429,7 @@ mod tests {
             &EnvelopeRules::default(),
         )
         .expect("valid");
-        let outbox = Outbox::new(crate::SchemaName::default());
+        let outbox = Outbox::new(crate::schema::SchemaName::default());
         let emitted = AtomicU32::new(0);
         let msg = InboxMessage {
             envelope: &envelope,

@@ -30,74 +30,73 @@
 //! let config = ConsumerConfig::new("greeter", Topology::new("greetings"));
 //! rabbit_inbox::migrate(&pool, &config.schema).await?;
 //! let consumer = Consumer::new("amqp://guest:guest@127.0.0.1:5672/%2f", pool, config, Greeter)?;
-//! consumer.run(async { let _ = tokio::signal::ctrl_c().await; }).await?;
+//! consumer.run(rabbit_inbox::shutdown_signal()).await?;
 //! # Ok(()) }
 //! ```
+//!
+//! The root holds the consumer's path: configuration, handlers, the consumer, the outbox and
+//! its relay, the [`Runner`] that runs them side by side. The modules hold the rest for those
+//! who build on the ledger or the broker directly (the operator crate `inbox-ops` does).
+//!
+//! Layers point down only (ARCHITECTURE.md): [`status`] (the state machine's words) at the
+//! bottom; the envelope, privacy and the ledger ([`store`]) above it; the broker beside the
+//! ledger, knowing no [`ConsumerConfig`]; the processor and the consumer runtime above both;
+//! background work ([`Relay`], [`InboxSampler`]) beside the runtime, never inside it.
 
+// The state machine's vocabulary.
+pub mod status;
+
+// What the ledger and the broker build on.
 mod backoff;
-mod broker;
-mod canonical_json;
-mod config;
-mod consumer;
+pub mod canonical_json;
 mod db_error;
-mod dedup;
-mod envelope;
-mod error;
-#[cfg(feature = "fault-injection")]
-mod fault;
-mod handler;
+pub mod dedup;
+pub mod envelope;
+pub mod error;
 mod json_error;
-mod lease;
-pub mod ops;
-mod outbox;
 pub mod privacy;
-mod processor;
-mod retention;
+pub mod retention;
+pub mod retry;
 pub mod roles;
-mod schema;
+pub mod schema;
 mod session_loss;
-mod stats;
-mod store;
+pub mod stats;
 pub mod telemetry;
 
-pub use broker::{
-    AmqpAddresses, AmqpTls, Broker, DEFAULT_MANAGEMENT_PORT, DEFAULT_MANAGEMENT_TLS_PORT,
-    ManagementClient, ManagementError, OutgoingMessage, ParkedMessage, ParkingLot, QueueDepth,
-    QueueDepths, QueueInfo, QueueSetting, Republished, parking_headers,
-};
-pub use broker::{HEADER_TOO_DEEP, MAX_HEADER_DEPTH};
-#[doc(hidden)]
-pub use broker::{convert_headers, headers_to_json};
-pub use canonical_json::canonical_json;
-pub use config::{ConsumerConfig, PayloadStorage, QueueType, RetryPolicy, Topology};
-pub use consumer::{Consumer, shutdown_signal};
-pub use dedup::{DedupStrategy, MAX_KEY_LEN};
-pub use envelope::{
-    AGGREGATE_ID_HEADER, AGGREGATE_TYPE_HEADER, AmqpMessage, BodyHash, CAUSATION_HEADER, Envelope,
-    EnvelopeRules, FieldLimits, InvalidMessage, InvalidReason, TENANT_HEADER, TRACEPARENT_HEADER,
-    TYPE_HEADER, VERSION_HEADER, parse,
-};
-pub use error::{BrokerError, ConfigError, ConsumerError, StoreError};
+// The ledger and the broker.
+pub mod broker;
+pub mod store;
+
+// What application code writes, and what runs it.
+pub mod config;
 #[cfg(feature = "fault-injection")]
-pub use fault::{FaultPlan, RedriveFaults, RedriveStep};
+pub mod fault;
+pub mod handler;
+pub mod lease;
+pub mod outbox;
+mod processor;
+
+mod consumer;
+
+// Beside the runtime.
+mod runner;
+mod sampler;
+
+pub use broker::{QueueType, Topology};
+pub use config::ConsumerConfig;
+pub use consumer::Consumer;
+pub use envelope::{Envelope, EnvelopeRules};
+pub use error::{BrokerError, ConfigError, ConsumerError, StoreError};
 pub use handler::{
-    BatchError, BatchHandler, ErrorKind, HANDLER_PANICKED, Handler, HandlerError, InboxMessage,
+    BatchError, BatchHandler, ErrorKind, Handler, HandlerError, InboxMessage, MessageOutbox,
     PerMessage,
 };
-pub use lease::{LEASE_LOST, Lease, LeaseConfig, LeaseError, Leased, LeasedHandler};
-#[cfg(feature = "fault-injection")]
-pub use outbox::RelayFaults;
-pub use outbox::{
-    Enqueued, MessageOutbox, OUTBOX_MAX_PAYLOAD_BYTES, Outbox, OutboxError, OutboxMessage,
-    OutboxRecord, OutboxStatus, OutboxStore, OutboxSummary, Relay, RelayConfig, RelayError,
-    RelayStats, RelayStatsSnapshot, emitted_message_id,
-};
-pub use processor::{Outcome, PAYLOAD_CONFLICT, TRANSACTION_ABORTED};
-pub use retention::{RetentionMode, RetentionPolicy, TypeRetention};
-pub use schema::{MIGRATOR, SchemaLock, SchemaName, drop_schema, migrate};
-pub use stats::{ConsumerStats, StatsSnapshot};
-pub use store::{
-    Claim, Failure, InboxRecord, InboxStatus, InboxStore, MAX_ERROR_MESSAGE_CHARS, OpenRowsSample,
-    Redelivery, RowPayload,
-};
+pub use lease::{Lease, LeaseConfig, LeaseError, Leased, LeasedHandler};
+pub use outbox::{Enqueued, Outbox, OutboxError, OutboxMessage, Relay, RelayConfig};
+pub use privacy::PayloadStorage;
+pub use retry::RetryPolicy;
+pub use runner::{RunError, Runner, Shutdown, shutdown_signal};
+pub use sampler::InboxSampler;
+pub use schema::{SchemaName, migrate};
+pub use status::{InboxStatus, Outcome};
 pub use telemetry::TelemetryConfig;

@@ -28,7 +28,20 @@ use zeroize::{Zeroize, Zeroizing};
 use base64::{Engine, engine::general_purpose::STANDARD as BASE64};
 use sha2::{Digest, Sha256};
 
-use crate::{canonical_json::canonical_sha256, config::PayloadStorage, envelope::Envelope};
+use crate::{canonical_json::canonical_sha256, envelope::Envelope};
+
+/// Which bodies the inbox keeps (section "payload storage" of the README).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PayloadStorage {
+    /// Keep bodies of failed and parked messages only; processed rows keep metadata and hash.
+    #[default]
+    FailedOnly,
+    /// Keep every body.
+    Always,
+    /// Keep no body (hash and metadata only).
+    Never,
+}
 
 /// Value written in place of a redacted JSON field, and in `last_error_message` in place of
 /// a handler's message the policy does not store in clear.
@@ -366,7 +379,7 @@ pub struct StoredPayload {
 
 /// Whether `body` is the message whose dedup hash is `recorded` (over its canonical JSON or
 /// its raw bytes, as the consumer hashed it), and not a redacted copy of it.
-pub(crate) fn is_original_body(body: &[u8], recorded: &[u8]) -> bool {
+pub fn is_original_body(body: &[u8], recorded: &[u8]) -> bool {
     let raw: [u8; 32] = Sha256::digest(body).into();
     recorded == raw
         || serde_json::from_slice::<serde_json::Value>(body)
@@ -750,7 +763,7 @@ mod tests {
     use super::*;
 
     fn envelope(ty: &str, tenant: Option<&str>, body: &[u8]) -> Envelope {
-        let mut msg = crate::AmqpMessage {
+        let mut msg = crate::envelope::AmqpMessage {
             message_id: Some("m-1".into()),
             kind: Some(ty.into()),
             body: body.to_vec(),
@@ -758,9 +771,9 @@ mod tests {
         };
         if let Some(t) = tenant {
             msg.headers
-                .insert(crate::TENANT_HEADER.into(), serde_json::json!(t));
+                .insert(crate::envelope::TENANT_HEADER.into(), serde_json::json!(t));
         }
-        crate::parse(msg, &crate::EnvelopeRules::default()).expect("valid")
+        crate::envelope::parse(msg, &crate::envelope::EnvelopeRules::default()).expect("valid")
     }
 
     fn stored(sealed: &Sealed) -> StoredPayload {

@@ -19,77 +19,24 @@ use sha2::{Digest, Sha256};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, pool::PoolConnection};
 
 use crate::{
-    config::{ConsumerConfig, RetryPolicy},
+    config::ConsumerConfig,
     db_error::{DbErrorClass, deterministic_code},
     envelope::{Envelope, InvalidMessage},
     error::StoreError,
-    handler::{BatchError, BatchHandler, ErrorKind, HANDLER_PANICKED, HandlerError, InboxMessage},
+    handler::{BatchError, BatchHandler, ErrorKind, HandlerError, InboxMessage},
     outbox::Outbox,
+    retry::RetryPolicy,
     stats::ConsumerStats,
-    store::{
-        Claim, ConfirmedCopy, Failure, InboxRecord, InboxStatus, InboxStore, PendingCopy,
-        Redelivery,
+    status::{
+        ConfirmedCopy, HANDLER_PANICKED, InboxStatus, Outcome, PAYLOAD_CONFLICT,
+        TRANSACTION_ABORTED,
     },
+    store::{Claim, Failure, InboxRecord, InboxStore, Redelivery},
     telemetry::metrics as m,
 };
 
 /// A delivery after parsing: an envelope, or the reason it cannot be processed.
 pub(crate) type Parsed = Result<Envelope, Box<InvalidMessage>>;
-
-/// The durable result of one delivery, produced only after the state it describes is committed
-/// (or when none could be written). Each maps to one broker action (see ARCHITECTURE.md).
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub enum Outcome {
-    /// This delivery's effect committed now. Broker: ack.
-    Processed,
-    /// The effect had already committed. Broker: ack.
-    Duplicate,
-    /// RETRYABLE_FAILED recorded. Broker: to the delayed retry queue.
-    RetryScheduled {
-        /// Attempts made so far.
-        attempt: i32,
-        /// Error code.
-        code: String,
-    },
-    /// PERMANENT_FAILED or POISONED recorded (or a body conflict counted). Broker: parked with
-    /// the reason in headers.
-    Parked {
-        /// Recorded status of the row.
-        status: InboxStatus,
-        /// Error code.
-        code: String,
-        /// Error message.
-        message: String,
-        /// The row's attempt count when this copy is the row's own (noted on the row once
-        /// the parking lot confirms it); `None` for a copy that is not the row's (a payload
-        /// conflict), which is parked every time.
-        attempt: Option<i32>,
-    },
-    /// A confirmed copy of the message already waits in the broker for its row: the parked
-    /// copy of a parked row, or the retry copy of a RETRYABLE_FAILED row that is not due yet.
-    /// This delivery is a duplicate of it, counted on the row, and runs nothing and charges
-    /// no attempt. Broker: ack.
-    CopyPending {
-        /// Which copy.
-        copy: PendingCopy,
-    },
-    /// Another consumer holds a fresh PROCESSING row for this key. Broker: delayed retry.
-    InFlightElsewhere,
-    /// Nothing durable could be written (database unreachable, commit outcome unknown).
-    /// Broker: requeued after a back-off, so the message comes back.
-    Unrecorded {
-        /// Why.
-        error: String,
-    },
-}
-
-/// Error code of a body that differs from the one first recorded under the same key.
-pub const PAYLOAD_CONFLICT: &str = "payload_conflict";
-
-/// Error code of a message whose handler left the transaction unusable: it ignored a failed
-/// statement (the transaction is aborted) or ended the transaction itself.
-pub const TRANSACTION_ABORTED: &str = "transaction_aborted";
 
 /// Requeues "database unavailable" after which a message is logged by its key: one or two are
 /// an outage being ridden out, more point at the message.
@@ -151,9 +98,6 @@ pub(crate) trait Process: Send + Sync + 'static {
     /// A connection slot for one lane.
     fn lane_connection(&self) -> LaneConnection;
 
-    /// The pool the inbox and the handler's tables are in.
-    fn pool(&self) -> &PgPool;
-
     /// Processes a batch; returns one outcome per item, in order.
     fn process_batch<'a>(
         &'a self,
@@ -196,10 +140,6 @@ impl LaneConnection {
 impl<H: BatchHandler> Process for Processor<H> {
     fn lane_connection(&self) -> LaneConnection {
         LaneConnection::new(self.pool.clone())
-    }
-
-    fn pool(&self) -> &PgPool {
-        &self.pool
     }
 
     fn process_batch<'a>(
@@ -422,7 +362,8 @@ impl<H: BatchHandler> Processor<H> {
                     message: invalid.detail.clone(),
                     // The library's own words: sizes, positions, kinds, never the values.
                     safe_detail: Some(invalid.detail.clone()),
-                    store_payload: invalid.reason != crate::InvalidReason::PayloadTooLarge,
+                    store_payload: invalid.reason
+                        != crate::envelope::InvalidReason::PayloadTooLarge,
                     invalid: true,
                     minimal: false,
                 })

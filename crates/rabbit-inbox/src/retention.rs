@@ -9,7 +9,7 @@
 
 use std::{collections::BTreeMap, time::Duration};
 
-use crate::{config::RetryPolicy, error::ConfigError};
+use crate::{error::ConfigError, retry::RetryPolicy};
 
 /// What retention does with an expired row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize)]
@@ -54,7 +54,8 @@ pub struct RetentionPolicy {
     pub mode: RetentionMode,
     /// Rows per statement: each batch is its own short transaction.
     pub batch_size: u32,
-    /// How often a running consumer cleans up (`None`: only `inboxctl cleanup`).
+    /// How often a retention task beside the consumer cleans up (`None`: only by hand,
+    /// `inboxctl cleanup`).
     pub interval: Option<Duration>,
 }
 
@@ -79,7 +80,7 @@ impl Default for RetentionPolicy {
 }
 
 /// Written in the largest units (`7days 2m 36s`).
-pub(crate) fn human(d: Duration) -> String {
+pub fn human(d: Duration) -> String {
     humantime::format_duration(Duration::from_secs(d.as_secs())).to_string()
 }
 

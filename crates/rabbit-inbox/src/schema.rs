@@ -15,7 +15,7 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 
 /// Name of the migrations table, created inside the inbox schema so the library never touches
 /// an application's own `_sqlx_migrations`.
-pub(crate) const MIGRATIONS_TABLE: &str = "_rabbit_inbox_migrations";
+pub const MIGRATIONS_TABLE: &str = "_rabbit_inbox_migrations";
 
 /// A PostgreSQL schema name that is safe to splice into SQL.
 ///
@@ -45,7 +45,7 @@ impl SchemaName {
     }
 
     /// `"schema"."table"`, for building SQL.
-    pub(crate) fn qualify(&self, table: &str) -> String {
+    pub fn qualify(&self, table: &str) -> String {
         format!("\"{}\".\"{table}\"", self.0)
     }
 }
@@ -220,7 +220,7 @@ fn statements(sql: &str) -> Vec<String> {
 
 /// The indexes the inbox migrations leave in place, by name, in creation order: every index a
 /// migration creates, less those a later one drops. What the doctor expects to find.
-pub(crate) fn migration_indexes() -> Vec<String> {
+pub fn migration_indexes() -> Vec<String> {
     fn name_after<'a>(statement: &'a str, prefixes: &[&str], optional: &[&str]) -> Option<&'a str> {
         let mut rest = prefixes
             .iter()

@@ -15,7 +15,7 @@ use metrics::SharedString;
 
 use crate::{
     envelope::Envelope,
-    processor::Outcome,
+    status::Outcome,
     telemetry::{
         TelemetryConfig,
         metrics::{self as m, MessageTypeLabels},

@@ -5,90 +5,24 @@
 //! transaction (claims and `mark_processed` must be), or a pooled connection for the short
 //! failure-recording transactions.
 
-use std::{borrow::Cow, fmt, str::FromStr, sync::Arc, time::Duration};
+use std::{borrow::Cow, sync::Arc, time::Duration};
 
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgConnection, Row, SqlSafeStr, SqlStr};
 
 use crate::{
-    config::PayloadStorage,
+    broker::{HEADER_TOO_DEEP, MAX_HEADER_DEPTH},
     envelope::Envelope,
     error::StoreError,
-    privacy::{PayloadPrivacy, PayloadRules, Phase, Sealed, StoredError, StoredPayload},
+    privacy::{
+        PayloadPrivacy, PayloadRules, PayloadStorage, Phase, Sealed, StoredError, StoredPayload,
+    },
     schema::SchemaName,
+    status::{ConfirmedCopy, ConfirmedCopyKind, InboxStatus, PendingCopy},
 };
 
 /// Longest error message kept in `last_error_message`, in characters.
 pub const MAX_ERROR_MESSAGE_CHARS: usize = 2000;
-
-/// Status of an inbox row. Each one maps to exactly one broker action, so the ledger and the
-/// broker cannot disagree (see ARCHITECTURE.md).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
-#[non_exhaustive]
-pub enum InboxStatus {
-    /// Being worked on. The transactional mode never commits it (its claim commits PROCESSED
-    /// with the effect); leased mode commits it with a lease while the work runs outside any
-    /// transaction. Broker: the delivery is unacked. Any other committed PROCESSING row comes
-    /// from a custom loop or a crash mid-way there.
-    Processing,
-    /// The business effect committed. Broker: ack.
-    Processed,
-    /// Failed, will be retried. Broker: dead-lettered to the delayed retry queue.
-    RetryableFailed,
-    /// Invalid message or business rule violated. Broker: parked.
-    PermanentFailed,
-    /// Retries exhausted. Broker: parked.
-    Poisoned,
-    /// Recovery found the row stale or its retry lost and set it aside for an operator
-    /// ([`crate::ops::RecoveryPolicy::ManualReview`], or no payload kept to republish).
-    /// Broker: a copy that still turns up is parked.
-    ManualReview,
-}
-
-impl InboxStatus {
-    /// The value stored in the `status` column.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            InboxStatus::Processing => "PROCESSING",
-            InboxStatus::Processed => "PROCESSED",
-            InboxStatus::RetryableFailed => "RETRYABLE_FAILED",
-            InboxStatus::PermanentFailed => "PERMANENT_FAILED",
-            InboxStatus::Poisoned => "POISONED",
-            InboxStatus::ManualReview => "MANUAL_REVIEW",
-        }
-    }
-
-    /// Whether copies of the message belong in the parking lot when its row has this status
-    /// (only an explicit, audited reopen changes such a row).
-    pub fn is_parked(self) -> bool {
-        matches!(
-            self,
-            InboxStatus::PermanentFailed | InboxStatus::Poisoned | InboxStatus::ManualReview
-        )
-    }
-}
-
-impl fmt::Display for InboxStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for InboxStatus {
-    type Err = StoreError;
-    fn from_str(s: &str) -> Result<Self, StoreError> {
-        Ok(match s {
-            "PROCESSING" => InboxStatus::Processing,
-            "PROCESSED" => InboxStatus::Processed,
-            "RETRYABLE_FAILED" => InboxStatus::RetryableFailed,
-            "PERMANENT_FAILED" => InboxStatus::PermanentFailed,
-            "POISONED" => InboxStatus::Poisoned,
-            "MANUAL_REVIEW" => InboxStatus::ManualReview,
-            other => return Err(StoreError::Corrupt(format!("unknown status {other:?}"))),
-        })
-    }
-}
 
 /// What a row kept of its message, as [`InboxStore::find_payload`] reads it.
 #[derive(Clone, Debug, PartialEq)]
@@ -182,39 +116,6 @@ impl InboxRecord {
     }
 }
 
-/// A confirmed copy the broker holds for a row; another delivery of the message is acked as
-/// its duplicate (and counted on the row) instead of being copied or run again.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum PendingCopy {
-    /// The row is parked and its copy is in the parking lot.
-    Parked,
-    /// The row waits for a retry whose copy is in a retry tier and not yet due.
-    Retry,
-}
-
-/// A copy whose publish the broker confirmed, to be noted on its row (see
-/// [`InboxStore::note_confirmed_copies`]).
-#[derive(Clone, Debug, PartialEq)]
-pub struct ConfirmedCopy {
-    /// Dedup key of the row.
-    pub message_id: String,
-    /// The row's attempt count the copy was made for.
-    pub attempt: i32,
-    /// Where it went.
-    pub kind: ConfirmedCopyKind,
-}
-
-/// Where a confirmed copy went.
-#[derive(Clone, Copy, Debug, PartialEq)]
-#[non_exhaustive]
-pub enum ConfirmedCopyKind {
-    /// The parking lot.
-    Parked,
-    /// A retry tier, due back after this delay.
-    Retry(Duration),
-}
-
 /// What claiming a message found.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
@@ -284,8 +185,8 @@ pub(crate) fn storable<'a>(text: impl Into<Cow<'a, str>>) -> Cow<'a, str> {
 }
 
 /// The headers as stored: [`storable`] applied to every name and string value, and an array
-/// or object nested deeper than [`crate::MAX_HEADER_DEPTH`] (the headers object included)
-/// replaced by [`crate::HEADER_TOO_DEEP`], so that a hand-built envelope cannot make the
+/// or object nested deeper than [`MAX_HEADER_DEPTH`] (the headers object included)
+/// replaced by [`HEADER_TOO_DEEP`], so that a hand-built envelope cannot make the
 /// conversion, the JSON encoder or PostgreSQL recurse without bound.
 fn storable_headers(headers: &serde_json::Map<String, serde_json::Value>) -> serde_json::Value {
     use serde_json::{Map, Value};
@@ -298,8 +199,8 @@ fn storable_headers(headers: &serde_json::Map<String, serde_json::Value>) -> ser
     fn value(v: &Value, level: usize) -> Value {
         match v {
             Value::String(s) => Value::String(storable(s.as_str()).into_owned()),
-            Value::Array(_) | Value::Object(_) if level > crate::MAX_HEADER_DEPTH => {
-                Value::String(crate::HEADER_TOO_DEEP.to_owned())
+            Value::Array(_) | Value::Object(_) if level > MAX_HEADER_DEPTH => {
+                Value::String(HEADER_TOO_DEEP.to_owned())
             }
             Value::Array(items) => {
                 Value::Array(items.iter().map(|x| value(x, level + 1)).collect())
@@ -349,7 +250,7 @@ struct Sql {
 /// older than the threshold. A leased row whose worker still heartbeats is never stale, however
 /// long it runs. The lease takeover, `status` and the sampler use it; recovery's causes
 /// (`lease_expired`, `stale_processing`) split the same condition in two.
-pub(crate) fn stale_processing(secs: &str) -> String {
+pub fn stale_processing(secs: &str) -> String {
     format!(
         "(status = 'PROCESSING' AND (lease_expires_at < now() OR (lease_expires_at IS NULL \
            AND coalesce(processing_started_at, last_received_at) < now() - make_interval(secs => {secs}))))"
@@ -362,7 +263,7 @@ pub(crate) fn stale_processing(secs: &str) -> String {
 /// passed; NULL for the rest (parked rows, live leases). Negative while a retry still waits.
 /// The sampler's "oldest unprocessed" gauge and `status` share it, so a backlog signal never
 /// fires on rows that are only waiting for their retry.
-pub(crate) fn overdue_by(delays: &str) -> String {
+pub fn overdue_by(delays: &str) -> String {
     format!(
         "CASE \
            WHEN status = 'PROCESSING' AND lease_expires_at > now() THEN NULL \
@@ -374,7 +275,7 @@ pub(crate) fn overdue_by(delays: &str) -> String {
 }
 
 /// Shared (cheaply cloned) SQL text built from a validated schema name.
-pub(crate) fn audited(sql: String) -> SqlStr {
+pub fn audited(sql: String) -> SqlStr {
     AssertSqlSafe(std::sync::Arc::<str>::from(sql)).into_sql_str()
 }
 

@@ -7,7 +7,7 @@
 //! `order_service`).
 
 use anyhow::Context;
-use rabbit_inbox::{Broker, Consumer, RelayConfig, SchemaName};
+use rabbit_inbox::{Consumer, Relay, RelayConfig, Runner, SchemaName, broker::Broker};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -37,15 +37,18 @@ async fn main() -> anyhow::Result<()> {
         .declare_exchange(order_service::EVENTS_EXCHANGE)
         .await?;
     broker.close().await;
-    let mut consumer = Consumer::new(
-        amqp_url,
+    let consumer = Consumer::new(
+        amqp_url.clone(),
         pool.clone(),
         config,
         order_service::OrderHandler::new(schema.clone()),
     )?;
+    let mut service = Runner::new().task("consumer", |stop| consumer.run(stop));
     if std::env::var("OUTBOX_RELAY").as_deref() != Ok("off") {
-        consumer = consumer.with_relay(pool, RelayConfig::new(schema))?;
+        // The relay holds one connection of the pool beside the consumer's lanes.
+        let relay = Relay::new(amqp_url, pool, RelayConfig::new(schema))?;
+        service = service.task("outbox relay", |stop| relay.run(stop));
     }
-    consumer.run(rabbit_inbox::shutdown_signal()).await?;
+    service.run(rabbit_inbox::shutdown_signal()).await?;
     Ok(())
 }

@@ -1,6 +1,9 @@
 //! Builders for the service's messages, as a producer would publish them.
 
-use rabbit_inbox::{AGGREGATE_ID_HEADER, AGGREGATE_TYPE_HEADER, OutgoingMessage, VERSION_HEADER};
+use rabbit_inbox::{
+    broker::OutgoingMessage, envelope::AGGREGATE_ID_HEADER, envelope::AGGREGATE_TYPE_HEADER,
+    envelope::VERSION_HEADER,
+};
 use serde_json::{Map, Value, json};
 
 /// Routing key of each message type on the `orders` exchange.

@@ -1,6 +1,6 @@
 //! The service's business tables and the exactly-once check that reads them.
 
-use rabbit_inbox::{SchemaLock, SchemaName, StoreError};
+use rabbit_inbox::{SchemaName, StoreError, schema::SchemaLock};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row, SqlSafeStr, SqlStr};
 
 /// Creates the business tables in `schema` (idempotent). The inbox has its own migrations.

@@ -11,8 +11,9 @@ use std::{
 
 use order_service::messages::{order_cancelled, order_placed, payment_received, routing_key};
 use rabbit_inbox::{
-    Broker, Consumer, ConsumerConfig, ConsumerStats, InboxRecord, InboxStatus, InboxStore,
-    OutgoingMessage, QueueDepths, SchemaName, StatsSnapshot, parking_headers,
+    Consumer, ConsumerConfig, InboxStatus, SchemaName, broker::Broker, broker::OutgoingMessage,
+    broker::QueueDepths, broker::parking_headers, stats::ConsumerStats, stats::StatsSnapshot,
+    store::InboxRecord, store::InboxStore,
 };
 use sqlx::{AssertSqlSafe, PgPool, postgres::PgPoolOptions};
 use tokio::time::Instant;
@@ -86,7 +87,7 @@ impl Drop for Cleanup {
                     .await
                 {
                     Ok(pool) => {
-                        if let Err(e) = rabbit_inbox::drop_schema(&pool, &schema).await {
+                        if let Err(e) = rabbit_inbox::schema::drop_schema(&pool, &schema).await {
                             eprintln!("cleanup: dropping schema {schema}: {e}");
                         }
                         pool.close().await;
@@ -465,14 +466,14 @@ async fn a_forced_replay_of_a_payment_the_rules_refuse_ends_permanent_failed_and
 
     // An operator forces a replay of the payment; its next delivery runs the handler again,
     // and the order, now PAID, refuses a second payment.
-    let ops = rabbit_inbox::ops::Operations::new(svc.pool.clone(), svc.schema.clone());
-    let actor = rabbit_inbox::ops::Actor::new("alice", "customer disputed the payment")
-        .expect("valid actor");
+    let ops = inbox_ops::Operations::new(svc.pool.clone(), svc.schema.clone());
+    let actor =
+        inbox_ops::Actor::new("alice", "customer disputed the payment").expect("valid actor");
     let replay = ops
         .reopen("p1", &svc.config.consumer_name, &actor, true)
         .await
         .expect("forced replay");
-    assert_eq!(replay.action, rabbit_inbox::ops::FORCED_REPLAY);
+    assert_eq!(replay.action, inbox_ops::FORCED_REPLAY);
     svc.publish(&payment_received("p1", "o1", 1000)).await;
     let refused = svc
         .wait_for_record("p1", "PERMANENT_FAILED", is(InboxStatus::PermanentFailed))

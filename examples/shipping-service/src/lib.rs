@@ -10,8 +10,8 @@
 use std::time::Duration;
 
 use rabbit_inbox::{
-    ConsumerConfig, Handler, HandlerError, InboxMessage, RetryPolicy, SchemaLock, SchemaName,
-    StoreError, Topology,
+    ConsumerConfig, Handler, HandlerError, InboxMessage, RetryPolicy, SchemaName, StoreError,
+    Topology, schema::SchemaLock,
 };
 use serde::Deserialize;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};

@@ -13,10 +13,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
-use rabbit_inbox::{
-    Broker, Consumer, ConsumerConfig, ConsumerError, Handler, HandlerError, InboxMessage,
-    OutgoingMessage, RetryPolicy, SchemaName, StatsSnapshot, Topology,
-};
+use rabbit_inbox::{broker::Broker, Consumer, ConsumerConfig, ConsumerError, Handler, HandlerError, InboxMessage, broker::OutgoingMessage, RetryPolicy, SchemaName, stats::StatsSnapshot, Topology};
 use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 
@@ -286,7 +283,7 @@ async fn cleanup(pool: &PgPool, amqp_url: &str, config: &ConsumerConfig) -> anyh
     }
     .await
     .with_context(|| format!("deleting queues {}*", config.topology.queue));
-    let schema = rabbit_inbox::drop_schema(pool, &config.schema)
+    let schema = rabbit_inbox::schema::drop_schema(pool, &config.schema)
         .await
         .with_context(|| format!("dropping schema {}", config.schema));
     if let (Err(q), Err(_)) = (&queues, &schema) {

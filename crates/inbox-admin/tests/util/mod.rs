@@ -10,9 +10,10 @@ use std::{
 };
 
 use inbox_admin::{AdminState, PrometheusHandle, Scope, ServeOptions, Tokens};
+use inbox_ops::Operations;
 use rabbit_inbox::{
-    Broker, Consumer, ConsumerConfig, Handler, HandlerError, InboxMessage, OutgoingMessage,
-    QueueDepths, RetryPolicy, SchemaName, Topology, ops::Operations,
+    Consumer, ConsumerConfig, Handler, HandlerError, InboxMessage, RetryPolicy, SchemaName,
+    Topology, broker::Broker, broker::OutgoingMessage, broker::QueueDepths,
 };
 use sqlx::{PgConnection, PgPool, postgres::PgPoolOptions};
 
@@ -249,7 +250,7 @@ impl Fixture {
         if let Err(e) = self.broker.delete(&self.topology, &retry()).await {
             eprintln!("cleanup: deleting queues: {e}");
         }
-        if let Err(e) = rabbit_inbox::drop_schema(&self.pool, &self.schema).await {
+        if let Err(e) = rabbit_inbox::schema::drop_schema(&self.pool, &self.schema).await {
             eprintln!("cleanup: dropping schema: {e}");
         }
     }

@@ -8,7 +8,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use rabbit_inbox::{Broker, SchemaName};
+use rabbit_inbox::{SchemaName, broker::Broker};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
@@ -32,7 +32,7 @@ impl Drop for Cleanup {
                 .expect("cleanup runtime");
             runtime.block_on(async {
                 if let Ok(pool) = sqlx::PgPool::connect(&database_url()).await {
-                    let _ = rabbit_inbox::drop_schema(&pool, &config.schema).await;
+                    let _ = rabbit_inbox::schema::drop_schema(&pool, &config.schema).await;
                     pool.close().await;
                 }
                 if let Ok(broker) = Broker::connect(&amqp_url(), "inboxctl test cleanup").await {

@@ -14,7 +14,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use rabbit_inbox::{Broker, Consumer, SchemaName};
+use rabbit_inbox::{Consumer, SchemaName, broker::Broker};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use sqlx::PgPool;
 use tokio::{
@@ -249,7 +249,7 @@ async fn the_chain_is_exactly_once_while_consumer_and_relays_are_killed() {
     let mut kills = 0;
     let mut drops = 0;
     for slice in slices {
-        let batch: Vec<(&str, &rabbit_inbox::OutgoingMessage)> =
+        let batch: Vec<(&str, &rabbit_inbox::broker::OutgoingMessage)> =
             slice.iter().map(|(k, m)| (*k, m)).collect();
         // A connection drop may hit this publish too: publish again (same ids, deduped).
         let mut published = false;

@@ -6,7 +6,7 @@
 
 use std::{net::TcpStream, path::PathBuf, process::Output, time::Duration};
 
-use rabbit_inbox::{AmqpTls, Broker, SchemaName};
+use rabbit_inbox::{SchemaName, broker::AmqpTls, broker::Broker};
 use sqlx::PgPool;
 use tokio::process::Command;
 
@@ -140,7 +140,7 @@ impl Drop for Cleanup {
                     broker.close().await;
                 }
                 if let Ok(pool) = PgPool::connect(&database_url).await {
-                    let _ = rabbit_inbox::drop_schema(&pool, &config.schema).await;
+                    let _ = rabbit_inbox::schema::drop_schema(&pool, &config.schema).await;
                     pool.close().await;
                 }
             });

@@ -10,7 +10,7 @@ use std::{fmt, str::FromStr, time::Duration};
 use lapin::{Connection, ConnectionProperties, uri::AMQPScheme, uri::AMQPUri};
 
 use super::tls::{AmqpTls, TlsFiles};
-use crate::error::BrokerError;
+use crate::error::{BrokerError, ConfigError};
 
 /// How long one address may take to accept a connection before the next is tried. A node that
 /// is partitioned away or paused does not refuse; it just never answers.
@@ -44,7 +44,7 @@ impl AmqpAddresses {
                 BrokerError::InvalidAddress(format!("{}: {reason}", redacted(entry)))
             })?;
             let label = format!("{}:{}", uri.authority.host, uri.authority.port);
-            let files = reqwest::Url::parse(entry)
+            let files = url::Url::parse(entry)
                 .map(|url| AmqpTls::from_url(&url))
                 .unwrap_or_default();
             let tls = match uri.scheme {
@@ -69,7 +69,7 @@ impl AmqpAddresses {
 
     /// The TLS files of the first `amqps://` address, for another client of the same broker
     /// (the management API).
-    pub(crate) fn tls(&self) -> Option<&TlsFiles> {
+    pub fn tls(&self) -> Option<&TlsFiles> {
         self.nodes.iter().find_map(|n| n.tls.as_ref())
     }
 
@@ -158,6 +158,17 @@ pub(super) fn redacted(url: &str) -> String {
         }
         None => url.to_owned(),
     }
+}
+
+/// A bad broker address is a configuration error, reported when the consumer (or relay) is
+/// built rather than on every reconnect.
+pub(crate) fn check_addresses(amqp_url: &str) -> Result<(), ConfigError> {
+    AmqpAddresses::parse(amqp_url)
+        .map(drop)
+        .map_err(|e| ConfigError::InvalidSetting {
+            name: "amqp_url",
+            reason: e.to_string(),
+        })
 }
 
 #[cfg(test)]

@@ -14,17 +14,14 @@ use lapin::{
 };
 use serde_json::{Map, Value};
 
+use super::topology::Topology;
 use super::{
     connect,
     headers::{json_to_table, short},
     session::amqp_message,
     topology::declare,
 };
-use crate::{
-    config::{RetryPolicy, Topology},
-    envelope::AmqpMessage,
-    error::BrokerError,
-};
+use crate::{envelope::AmqpMessage, error::BrokerError, retry::RetryPolicy};
 
 /// A message to publish (producer side: examples, demos, tests, replays).
 #[derive(Clone, Debug, Default)]

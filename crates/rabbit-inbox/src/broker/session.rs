@@ -11,10 +11,11 @@ use lapin::{
     types::{FieldTable, ShortString},
 };
 
+use super::topology::Topology;
 use super::{
     connect, frames, headers::table_to_json, publish::Publisher, settle::Settler, topology::declare,
 };
-use crate::{envelope::AmqpMessage, error::BrokerError};
+use crate::{envelope::AmqpMessage, error::BrokerError, retry::RetryPolicy};
 
 /// A delivery waiting for its outcome. Holds the acker; only [`settle`] uses it.
 pub(crate) struct PendingDelivery {
@@ -131,15 +132,27 @@ pub(crate) fn is_fatal(e: &BrokerError) -> bool {
     }
 }
 
+/// What a consumer's session needs to know of the consumer: its name (in connection names and
+/// parking headers), its queues, its retry tiers, its prefetch and its publish back-off.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SessionSettings<'a> {
+    pub(crate) consumer_name: &'a str,
+    pub(crate) topology: &'a Topology,
+    pub(crate) retry: &'a RetryPolicy,
+    pub(crate) prefetch: u16,
+    pub(crate) reconnect_initial_delay: std::time::Duration,
+    pub(crate) reconnect_max_delay: std::time::Duration,
+}
+
 impl Session {
     pub(crate) async fn open(
         amqp_url: &str,
-        config: &crate::ConsumerConfig,
+        config: &SessionSettings<'_>,
     ) -> Result<Self, BrokerError> {
         let connection =
             connect(amqp_url, &format!("rabbit-inbox {}", config.consumer_name)).await?;
         let channel = connection.create_channel().await?;
-        declare(&channel, &config.topology, &config.retry).await?;
+        declare(&channel, config.topology, config.retry).await?;
         channel
             .basic_qos(config.prefetch, BasicQosOptions::default())
             .await?;

@@ -14,14 +14,18 @@ use lapin::{
     types::{AMQPValue, FieldTable},
 };
 
-use super::{frames, headers::long_string, publish::Publisher, session::PendingDelivery};
+use super::{
+    frames,
+    headers::long_string,
+    publish::Publisher,
+    session::{PendingDelivery, SessionSettings},
+};
 use crate::{
     backoff::Backoff,
-    config::{ConsumerConfig, RetryPolicy},
     envelope::Envelope,
-    processor::Outcome,
+    retry::RetryPolicy,
     stats::ConsumerStats,
-    store::{ConfirmedCopy, ConfirmedCopyKind},
+    status::{ConfirmedCopy, ConfirmedCopyKind, Outcome},
 };
 
 /// Headers the consumer adds to a parked message. Replay tools read them.
@@ -133,7 +137,7 @@ impl Settler {
     pub(super) fn new(
         channel: Channel,
         publisher: Arc<Publisher>,
-        config: &ConsumerConfig,
+        config: &SessionSettings<'_>,
         frame_max: u32,
     ) -> Self {
         Self {
@@ -143,9 +147,9 @@ impl Settler {
             },
             publisher,
             parking_queue: config.topology.parking_queue.as_str().into(),
-            retry_tiers: config.topology.retry_tier_queues(&config.retry),
+            retry_tiers: config.topology.retry_tier_queues(config.retry),
             retry: config.retry.clone(),
-            consumer: config.consumer_name.as_str().into(),
+            consumer: config.consumer_name.into(),
             publish_backoff: Backoff::new(
                 config.reconnect_initial_delay,
                 config.reconnect_max_delay,

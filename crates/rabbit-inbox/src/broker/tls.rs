@@ -11,8 +11,8 @@
 use std::{fmt, fs, path::Path, path::PathBuf, sync::Arc};
 
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
-use reqwest::Url;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+use url::Url;
 
 use crate::error::BrokerError;
 
@@ -162,7 +162,7 @@ impl AmqpTls {
 
 /// The contents of an [`AmqpTls`]'s files, checked.
 #[derive(Clone, PartialEq, Eq)]
-pub(crate) struct TlsFiles {
+pub struct TlsFiles {
     source: AmqpTls,
     ca_pem: Option<String>,
     /// Certificate and key, PEM.
@@ -191,23 +191,21 @@ impl TlsFiles {
         }
     }
 
-    /// The same for an HTTPS client (the management API): the CA certificates trusted beside
-    /// the system roots, the client identity.
-    pub(crate) fn configure_http(
-        &self,
-        mut builder: reqwest::ClientBuilder,
-    ) -> Result<reqwest::ClientBuilder, BrokerError> {
-        if let (Some(pem), Some(path)) = (&self.ca_pem, &self.source.ca_file) {
-            let certs = reqwest::Certificate::from_pem_bundle(pem.as_bytes())
-                .map_err(|e| tls_file("CA file", path, e))?;
-            builder = builder.tls_certs_merge(certs);
-        }
-        if let (Some((cert, key)), Some(path)) = (&self.identity, &self.source.client_cert) {
-            let identity = reqwest::Identity::from_pem(&[cert.as_slice(), b"\n", key].concat())
-                .map_err(|e| tls_file("client certificate", path, e))?;
-            builder = builder.identity(identity);
-        }
-        Ok(builder)
+    /// The files these were read from.
+    pub fn files(&self) -> &AmqpTls {
+        &self.source
+    }
+
+    /// The CA certificates, PEM, if a CA file was given.
+    pub fn ca_pem(&self) -> Option<&str> {
+        self.ca_pem.as_deref()
+    }
+
+    /// The client certificate and its key, PEM, if given.
+    pub fn identity_pem(&self) -> Option<(&[u8], &[u8])> {
+        self.identity
+            .as_ref()
+            .map(|(cert, key)| (cert.as_slice(), key.as_slice()))
     }
 }
 

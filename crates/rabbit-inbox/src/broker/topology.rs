@@ -7,10 +7,135 @@ use lapin::{
 };
 
 use super::headers::long_string;
-use crate::{
-    config::{QueueType, RetryPolicy, Topology},
-    error::BrokerError,
-};
+use std::time::Duration;
+
+use crate::{error::BrokerError, retry::RetryPolicy};
+
+/// The queues a consumer declares and uses.
+///
+/// ```text
+/// exchange --binding--> queue --consumer: publish (confirmed), then ack--> <retry_queue>.<delay>
+///                         ^     (one queue per retry tier, TTL = its delay)      |
+///                         +------------------- dead-letter ----------------------+
+/// queue --broker-side dead-lettering (e.g. x-delivery-limit)--> first retry tier
+/// consumer --publish with reason headers (confirmed), then ack--> parking-lot queue
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Topology {
+    /// The work queue.
+    pub queue: String,
+    /// Exchange producers publish to; declared as a durable topic exchange and bound to the
+    /// work queue with `binding_keys`. `None`: producers publish to the queue directly.
+    pub exchange: Option<String>,
+    /// Routing keys bound from `exchange` to the work queue.
+    pub binding_keys: Vec<String>,
+    /// Base name of the delayed-retry queues: one queue per delay of
+    /// [`RetryPolicy::delays`], named `<retry_queue>.<delay>` (e.g. `orders.retry.5s`, see
+    /// [`Topology::retry_tier_queue`]). Messages wait there for the tier's delay, then
+    /// dead-letter back to the work queue.
+    pub retry_queue: String,
+    /// Where permanently failed and poisoned messages are kept, with the reason in headers.
+    pub parking_queue: String,
+    /// Queue type of all three queues.
+    pub queue_type: QueueType,
+    /// Declare the work queue with `x-single-active-consumer`: of several instances on the
+    /// queue, the broker delivers to one at a time and fails over to the next when it goes
+    /// away. Keeps one queue's delivery order across instances, at the cost of one active
+    /// consumer per queue (scale out with several queues, e.g. a consistent-hash exchange).
+    pub single_active_consumer: bool,
+    /// `x-delivery-limit` of a quorum work queue: after this many returns to the queue
+    /// (requeues, lost sessions) the broker dead-letters the message into the first retry tier.
+    /// Must exceed `retry.max_attempts + prefetch` (checked by [`ConsumerConfig::validate`]).
+    /// `None` declares no limit: unlimited on RabbitMQ 3.x, while RabbitMQ 4 applies its
+    /// default of 20 to quorum queues, so set it explicitly there.
+    pub delivery_limit: Option<u32>,
+}
+
+/// RabbitMQ queue type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum QueueType {
+    /// Classic durable queues.
+    #[default]
+    Classic,
+    /// Quorum queues (replicated; for clusters).
+    Quorum,
+}
+
+impl Topology {
+    /// A work queue `queue` with `<queue>.retry` and `<queue>.parking-lot`, fed directly.
+    pub fn new(queue: impl Into<String>) -> Self {
+        let queue = queue.into();
+        Self {
+            retry_queue: format!("{queue}.retry"),
+            parking_queue: format!("{queue}.parking-lot"),
+            queue,
+            exchange: None,
+            binding_keys: Vec::new(),
+            queue_type: QueueType::Classic,
+            single_active_consumer: false,
+            delivery_limit: None,
+        }
+    }
+
+    /// The retry queue of the tier with `delay`: `<retry_queue>.<delay>`, the delay written
+    /// in the largest whole unit (`200ms`, `5s`, `2m`, `1h`).
+    pub fn retry_tier_queue(&self, delay: Duration) -> String {
+        format!("{}.{}", self.retry_queue, delay_label(delay))
+    }
+
+    /// The retry queues of `retry`'s tiers, in tier order.
+    pub fn retry_tier_queues(&self, retry: &RetryPolicy) -> Vec<String> {
+        retry
+            .delays
+            .iter()
+            .map(|d| self.retry_tier_queue(*d))
+            .collect()
+    }
+
+    /// Declare all three queues as quorum queues (replicated across a cluster's nodes), with
+    /// at-least-once dead-lettering between them.
+    pub fn with_quorum_queues(mut self) -> Self {
+        self.queue_type = QueueType::Quorum;
+        self
+    }
+
+    /// Declare a quorum work queue with `x-delivery-limit` (see [`Topology::delivery_limit`]).
+    pub fn with_delivery_limit(mut self, limit: u32) -> Self {
+        self.delivery_limit = Some(limit);
+        self
+    }
+
+    /// Declare the work queue with a single active consumer (see
+    /// [`Topology::single_active_consumer`]).
+    pub fn with_single_active_consumer(mut self) -> Self {
+        self.single_active_consumer = true;
+        self
+    }
+
+    /// Also declare `exchange` (topic) and bind the work queue with `binding_keys`.
+    pub fn with_exchange(mut self, exchange: impl Into<String>, binding_keys: &[&str]) -> Self {
+        self.exchange = Some(exchange.into());
+        self.binding_keys = binding_keys.iter().map(|k| (*k).to_owned()).collect();
+        self
+    }
+}
+
+/// `delay` in its largest whole unit: `200ms`, `5s`, `2m`, `1h`.
+fn delay_label(delay: Duration) -> String {
+    let ms = delay.as_millis();
+    if !ms.is_multiple_of(1000) {
+        return format!("{ms}ms");
+    }
+    let s = ms / 1000;
+    if s.is_multiple_of(3600) && s > 0 {
+        format!("{}h", s / 3600)
+    } else if s.is_multiple_of(60) && s > 0 {
+        format!("{}m", s / 60)
+    } else {
+        format!("{s}s")
+    }
+}
 
 fn queue_args(topology: &Topology) -> FieldTable {
     let mut args = FieldTable::default();
@@ -109,4 +234,17 @@ pub(super) async fn declare_exchange(channel: &Channel, exchange: &str) -> Resul
         )
         .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tier_queues_are_named_by_their_delay_in_its_largest_whole_unit() {
+        assert_eq!(delay_label(Duration::from_millis(200)), "200ms");
+        assert_eq!(delay_label(Duration::from_millis(1500)), "1500ms");
+        assert_eq!(delay_label(Duration::from_secs(90)), "90s");
+        assert_eq!(delay_label(Duration::from_secs(7200)), "2h");
+    }
 }

@@ -42,10 +42,11 @@ use sqlx::{Connection, PgConnection, PgPool};
 pub(crate) use processor::LeasedProcessor;
 use sql::LeaseSql;
 
-use crate::{error::ConfigError, handler::HandlerError, handler::InboxMessage};
-
-/// Error code of a handler's failure caused by a lost lease (see [`LeaseError::Lost`]).
-pub const LEASE_LOST: &str = "lease_lost";
+use crate::{
+    error::ConfigError,
+    handler::{HandlerError, InboxMessage},
+    status::LEASE_LOST,
+};
 
 /// Timing of leased processing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

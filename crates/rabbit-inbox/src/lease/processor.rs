@@ -8,18 +8,21 @@ use std::{panic::AssertUnwindSafe, sync::Arc};
 use futures::{FutureExt, future::BoxFuture};
 use sqlx::{Connection, PgConnection, PgPool};
 
-use super::{LEASE_LOST, Lease, LeaseConfig, LeaseError, LeasedHandler, owner_name, sql::LeaseSql};
+use super::{Lease, LeaseConfig, LeaseError, LeasedHandler, owner_name, sql::LeaseSql};
 use crate::{
-    config::{ConsumerConfig, PayloadStorage, RetryPolicy},
+    config::ConsumerConfig,
     db_error::{DbErrorClass, deterministic_code},
     envelope::Envelope,
     error::StoreError,
     handler::{BatchError, BatchHandler, ErrorKind, HandlerError, InboxMessage},
+    privacy::PayloadStorage,
     processor::{
-        LaneConnection, Outcome, Parsed, Process, Processor, parked_again, payload_conflict,
-        same_body, scheduled_attempt,
+        LaneConnection, Parsed, Process, Processor, parked_again, payload_conflict, same_body,
+        scheduled_attempt,
     },
-    store::{Claim, InboxStatus, InboxStore, Redelivery},
+    retry::RetryPolicy,
+    status::{InboxStatus, LEASE_LOST, Outcome},
+    store::{Claim, InboxStore, Redelivery},
 };
 
 /// What a claim transaction decided for one message.
@@ -337,7 +340,7 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
             .map_err(|e| LeaseError::Handler(HandlerError::from(e)))?;
         if same != Some(txid) {
             return Err(LeaseError::Handler(HandlerError::retryable(
-                crate::TRANSACTION_ABORTED,
+                crate::status::TRANSACTION_ABORTED,
                 "the commit handler ended the completion transaction itself",
             )));
         }
@@ -434,10 +437,6 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
 impl<L: LeasedHandler> Process for LeasedProcessor<L> {
     fn lane_connection(&self) -> LaneConnection {
         LaneConnection::new(self.pool.clone())
-    }
-
-    fn pool(&self) -> &PgPool {
-        &self.pool
     }
 
     fn process_batch<'a>(

@@ -10,7 +10,8 @@ use crate::{
     error::StoreError,
     privacy::StoredError,
     schema::SchemaName,
-    store::{InboxStatus, audited, storable},
+    status::InboxStatus,
+    store::{audited, storable},
 };
 
 #[derive(Debug)]

@@ -1,9 +1,10 @@
 //! The outbox: messages written in the business transaction and published after the commit.
 //!
 //! - [`Outbox::enqueue`]: from any code that holds a transaction (a web request handler).
-//! - [`crate::InboxMessage::outbox`]: from an inbox handler, through the handler's own
-//!   transaction, with deterministic ids (incoming key, consumer, position), causation,
-//!   correlation and trace context taken from the incoming message.
+//! - [`crate::InboxMessage::outbox`] (the handler's side, in [`crate::handler`]): from an inbox
+//!   handler, through the handler's own transaction, with deterministic ids (incoming key,
+//!   consumer, position), causation, correlation and trace context taken from the incoming
+//!   message.
 //! - [`Relay`] (`relay`): publishes committed rows with confirms and `mandatory`, under a lease
 //!   with a fencing token; [`OutboxStore`] (`store`) holds its statements and the operator's.
 //! - `listener`: the LISTEN side of the wake-up after commit.
@@ -18,12 +19,11 @@ mod listener;
 mod relay;
 mod store;
 
-use std::sync::atomic::{AtomicU32, Ordering};
-
 use serde::Serialize;
 use serde_json::{Map, Value};
 use sqlx::PgConnection;
 
+pub(crate) use ids::child_traceparent;
 pub use ids::emitted_message_id;
 #[cfg(feature = "fault-injection")]
 pub use relay::RelayFaults;
@@ -32,8 +32,6 @@ pub use store::{OutboxRecord, OutboxStatus, OutboxStore, OutboxSummary};
 
 use crate::{
     broker::{OutgoingMessage, check_publishable},
-    envelope::Envelope,
-    handler::HandlerError,
     schema::SchemaName,
 };
 use store::NewRow;
@@ -241,12 +239,15 @@ pub(crate) fn outgoing(
     payload: &[u8],
 ) -> OutgoingMessage {
     let mut headers = h.headers.clone();
-    headers.insert(crate::VERSION_HEADER.into(), message_version.into());
+    headers.insert(
+        crate::envelope::VERSION_HEADER.into(),
+        message_version.into(),
+    );
     let named = [
-        (crate::AGGREGATE_TYPE_HEADER, h.aggregate_type),
-        (crate::AGGREGATE_ID_HEADER, h.aggregate_id),
-        (crate::CAUSATION_HEADER, h.causation_id),
-        (crate::TRACEPARENT_HEADER, h.traceparent),
+        (crate::envelope::AGGREGATE_TYPE_HEADER, h.aggregate_type),
+        (crate::envelope::AGGREGATE_ID_HEADER, h.aggregate_id),
+        (crate::envelope::CAUSATION_HEADER, h.causation_id),
+        (crate::envelope::TRACEPARENT_HEADER, h.traceparent),
         ("tracestate", h.tracestate),
     ];
     for (name, value) in named {
@@ -273,17 +274,6 @@ pub enum OutboxError {
     /// The database failed; the transaction is unusable.
     #[error("outbox database error: {0}")]
     Database(#[from] sqlx::Error),
-}
-
-/// A handler's outbox failure: an invalid message is the handler's bug (permanent); a database
-/// error is classified like any other.
-impl From<OutboxError> for HandlerError {
-    fn from(e: OutboxError) -> Self {
-        match e {
-            OutboxError::Invalid(text) => HandlerError::permanent("outbox_invalid_message", text),
-            OutboxError::Database(e) => e.into(),
-        }
-    }
 }
 
 /// The result of an enqueue.
@@ -362,7 +352,7 @@ impl Outbox {
         self.write(tx, message, id).await
     }
 
-    async fn write(
+    pub(crate) async fn write(
         &self,
         tx: &mut PgConnection,
         m: &OutboxMessage,
@@ -391,58 +381,5 @@ impl Outbox {
             message_id,
             inserted,
         })
-    }
-}
-
-/// A handler's outbox: writes through the handler's transaction, with ids derived from the
-/// incoming message's key, the consumer and the message's position among those it emits.
-/// Obtained from [`crate::InboxMessage::outbox`].
-pub struct MessageOutbox<'c> {
-    pub(crate) tx: &'c mut PgConnection,
-    pub(crate) outbox: &'c Outbox,
-    pub(crate) incoming: &'c Envelope,
-    pub(crate) consumer: &'c str,
-    /// Shared by every handle of one handler run, so two handles never reuse a position.
-    pub(crate) position: &'c AtomicU32,
-}
-
-impl MessageOutbox<'_> {
-    /// Writes `message`, emitted while handling the incoming message. Unless set on `message`:
-    /// the id is [`emitted_message_id`]`(consumer, incoming key, position)`, the causation id
-    /// the incoming message's id, the correlation id the incoming one's (else its id), and
-    /// the trace context a child of the incoming `traceparent`. A replay of the incoming
-    /// message emits the same ids (`Enqueued::inserted` is then false if the rows are kept).
-    pub async fn enqueue(&mut self, mut message: OutboxMessage) -> Result<Enqueued, HandlerError> {
-        let position = self.position.fetch_add(1, Ordering::Relaxed);
-        let incoming = self.incoming;
-        let id = message
-            .message_id
-            .take()
-            .unwrap_or_else(|| emitted_message_id(self.consumer, &incoming.message_id, position));
-        message
-            .causation_id
-            .get_or_insert_with(|| incoming.message_id.clone());
-        if message.correlation_id.is_none() {
-            message.correlation_id = Some(
-                incoming
-                    .correlation_id
-                    .clone()
-                    .unwrap_or_else(|| incoming.message_id.clone()),
-            );
-        }
-        if message.traceparent.is_none() {
-            message.traceparent = incoming
-                .traceparent
-                .as_deref()
-                .and_then(ids::child_traceparent);
-            if message.traceparent.is_some() {
-                message.tracestate = incoming
-                    .headers
-                    .get("tracestate")
-                    .and_then(Value::as_str)
-                    .map(str::to_owned);
-            }
-        }
-        Ok(self.outbox.write(self.tx, &message, id).await?)
     }
 }

@@ -288,7 +288,7 @@ impl Relay {
     ) -> Result<Self, ConfigError> {
         config.validate()?;
         let amqp_url = amqp_url.into();
-        crate::consumer::check_addresses(&amqp_url)?;
+        crate::broker::check_addresses(&amqp_url)?;
         Ok(Self {
             amqp_url,
             pool,

@@ -443,7 +443,7 @@ impl OutboxStore {
             };
             kinds.push(kind);
             codes.push(code);
-            errors.push(error.map(|e| truncate(e, crate::MAX_ERROR_MESSAGE_CHARS)));
+            errors.push(error.map(|e| truncate(e, crate::store::MAX_ERROR_MESSAGE_CHARS)));
         }
         let changed = sqlx::query_scalar::<_, i64>(self.sql.settle.clone())
             .bind(&seqs)

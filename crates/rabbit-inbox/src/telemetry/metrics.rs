@@ -16,8 +16,7 @@ use metrics::{SharedString, Unit};
 
 use crate::{
     envelope::Envelope,
-    processor::Outcome,
-    store::{InboxStatus, PendingCopy},
+    status::{InboxStatus, Outcome, PendingCopy},
     telemetry::TelemetryConfig,
 };
 
@@ -149,7 +148,9 @@ pub fn outcome_label(outcome: &Outcome) -> &'static str {
         Outcome::Duplicate | Outcome::CopyPending { .. } => "duplicate",
         Outcome::RetryScheduled { .. } => "retry_scheduled",
         Outcome::InFlightElsewhere => "in_flight_elsewhere",
-        Outcome::Parked { code, .. } if code == crate::PAYLOAD_CONFLICT => "payload_conflict",
+        Outcome::Parked { code, .. } if code == crate::status::PAYLOAD_CONFLICT => {
+            "payload_conflict"
+        }
         Outcome::Parked {
             status: InboxStatus::Poisoned,
             ..
@@ -376,7 +377,7 @@ mod tests {
             },
             Outcome::Parked {
                 status: InboxStatus::Processed,
-                code: crate::PAYLOAD_CONFLICT.into(),
+                code: crate::status::PAYLOAD_CONFLICT.into(),
                 message: String::new(),
                 attempt: None,
             },

@@ -7,7 +7,7 @@
 
 use tracing::Span;
 
-use crate::{envelope::Envelope, processor::Outcome, telemetry::metrics::outcome_label};
+use crate::{envelope::Envelope, status::Outcome, telemetry::metrics::outcome_label};
 
 /// The span of one delivery. Fields: `message_id` (the inbox key), `consumer`,
 /// `message_type`, `correlation_id`, `redelivered`, and `outcome` (recorded at settlement,

@@ -1,0 +1,742 @@
+//! Redrive: moving parked messages back to their work queue after a fix, each one classified
+//! against its inbox row first.
+//!
+//! | parked copy's row              | class          | redrive does                             |
+//! |--------------------------------|----------------|------------------------------------------|
+//! | PERMANENT_FAILED / POISONED /  | `reopen`       | reopen the row (audited), move the copy  |
+//! | MANUAL_REVIEW                  |                |                                          |
+//! | RETRYABLE_FAILED / PROCESSING  | `resume`       | move the copy (row already open: an      |
+//! |                                |                | earlier redrive stopped midway)          |
+//! | PROCESSED, after a redrive     | `redriven`     | remove it, audited (left over by a       |
+//! | moved the same message         |                | redrive killed before its ack)           |
+//! | PROCESSED                      | `processed`    | leave it (a finding); `drop_processed`   |
+//! |                                |                | removes it, audited                      |
+//! | none, tombstone kept           | `would_reapply`| refuse; `force` replays it, audited      |
+//! | none, no tombstone (or no key) | `unknown`      | refuse; `force` moves it, audited        |
+//!
+//! What happens to a copy is decided once ([`planned_action`]), for the dry run and the real
+//! run alike, so a preview shows what the run will do.
+//!
+//! A move is: reopen the row and write the audit record in one transaction and commit it,
+//! publish the restored original to the work queue through the default exchange and wait for
+//! the confirm, and only then ack the parked copy. The row is open before any copy of it can
+//! reach the consumer, so the moved copy never meets a parked row. Whatever the step a redrive
+//! is killed at, the message exists at least once and its effect applies once, and a rerun
+//! finishes the job:
+//! - before the commit: nothing changed; the parked copy (never acked) returns to the parking
+//!   lot and the rerun reopens and moves it;
+//! - after the commit, before the publish: the row is open and its only copy is the parked
+//!   one, back in the parking lot: the rerun resumes it (and without a rerun, recovery
+//!   republishes a RETRYABLE_FAILED row whose retry never came back);
+//! - after the confirm, before the ack: the parked copy comes back as well; the rerun resumes
+//!   it while its row is still open (the inbox drops the second copy as a duplicate), or,
+//!   once the moved copy was processed, classes it `redriven` and removes it.
+//!
+//! Copies left alone stay unacked until the pass ends, so one pass reads each copy once; they
+//! then go back to the parking lot in their places. A pass reads at most as many copies as the
+//! parking lot held when it started: messages parked meanwhile wait for the next pass.
+
+use std::{
+    collections::{BTreeMap, HashSet},
+    time::Duration,
+};
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use sqlx::{AssertSqlSafe, Row};
+
+use super::{
+    Actor, Operations, OpsError, Progress,
+    audit::audit,
+    reopen::{FORCED_REPLAY, reopen_row},
+};
+use rabbit_inbox::{
+    broker::ParkedMessage, broker::ParkingLot, broker::Republished, envelope::EnvelopeRules,
+    envelope::parse, status::InboxStatus,
+};
+
+/// Audit action of a parked copy moved back for an open row, or without an inbox row.
+pub const REDRIVE: &str = "redrive";
+/// Slowest redrive pace accepted: one move every 1,000 seconds.
+pub const MIN_REDRIVE_RATE: f64 = 0.001;
+/// Fastest redrive pace accepted, moves per second.
+pub const MAX_REDRIVE_RATE: f64 = 100_000.0;
+/// Audit action of a parked copy of a PROCESSED row removed from the parking lot.
+pub const DROP_PROCESSED: &str = "redrive_drop_processed";
+/// Audit action of a parked copy removed because a redrive already moved its message (the
+/// redrive was killed before it acked the copy) and the moved copy was processed.
+pub const DROP_REDRIVEN: &str = "redrive_drop_redriven";
+
+/// What a pass read in the parking lot, for reconciliation.
+#[derive(Debug, Default)]
+pub(crate) struct ParkedKeys {
+    /// Inbox keys (consumer, message id) of every copy read.
+    pub(crate) keys: HashSet<(String, String)>,
+    /// Message ids of the copies of PROCESSED rows that were parked as payload conflicts (a
+    /// producer reused the id with another body): parked by design, not a lost state.
+    pub(crate) processed_conflicts: Vec<String>,
+}
+
+/// Most entries in [`RedriveReport::findings`].
+const MAX_FINDINGS: usize = 1000;
+
+/// What a redrive does, and to which parked copies. Empty filters match everything.
+#[derive(Clone, Debug, Default)]
+pub struct RedriveRequest {
+    /// Classify and count only; nothing moves (copies are read and put back).
+    pub dry_run: bool,
+    /// Only copies parked by this consumer.
+    pub consumer: Option<String>,
+    /// Only this message type (the row's, else the tombstone's, else the copy's).
+    pub message_type: Option<String>,
+    /// Only this error code (the row's last, else the one the copy was parked with).
+    pub error_code: Option<String>,
+    /// Only copies parked at or after.
+    pub since: Option<DateTime<Utc>>,
+    /// Only copies parked before.
+    pub until: Option<DateTime<Utc>>,
+    /// At most this many moves per second, from [`MIN_REDRIVE_RATE`] to [`MAX_REDRIVE_RATE`].
+    pub rate_per_sec: Option<f64>,
+    /// At most this many copies moved (or, in a dry run, that would move).
+    pub limit: Option<u64>,
+    /// Also replay copies whose row retention removed, and copies the inbox does not know.
+    pub force: bool,
+    /// Remove copies whose row is PROCESSED instead of leaving them.
+    pub drop_processed: bool,
+}
+
+/// How a parked copy relates to the inbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum ParkedClass {
+    /// Row parked: reopen and move.
+    Reopen,
+    /// Row already open (RETRYABLE_FAILED, PROCESSING): move.
+    Resume,
+    /// Row PROCESSED after a redrive moved this message (the audit trail says so) and the copy
+    /// has the row's body: the redrive was killed before it acked this copy. Removed.
+    Redriven,
+    /// Row PROCESSED: the effect is applied; the copy should not be in the parking lot.
+    Processed,
+    /// No row, but a tombstone: moving it would apply the effect again.
+    WouldReapply,
+    /// No row, no tombstone, or no inbox key at all.
+    Unknown,
+    /// Not selected by the request's filters.
+    Filtered,
+}
+
+impl ParkedClass {
+    /// Its name in reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ParkedClass::Reopen => "reopen",
+            ParkedClass::Resume => "resume",
+            ParkedClass::Redriven => "redriven",
+            ParkedClass::Processed => "processed",
+            ParkedClass::WouldReapply => "would_reapply",
+            ParkedClass::Unknown => "unknown",
+            ParkedClass::Filtered => "filtered",
+        }
+    }
+}
+
+/// What happened to one parked copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum ParkedAction {
+    /// Published to the work queue and removed from the parking lot.
+    Moved,
+    /// Dry run: would be moved.
+    WouldMove,
+    /// Removed from the parking lot (a `redriven` copy, or a PROCESSED row's copy with
+    /// `drop_processed`).
+    Removed,
+    /// Dry run: would be removed.
+    WouldRemove,
+    /// Put back: needs `force` (or `drop_processed`).
+    Refused,
+    /// Put back: not selected, or a PROCESSED row's copy without `drop_processed`.
+    Left,
+}
+
+impl ParkedAction {
+    /// Its name in reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ParkedAction::Moved => "moved",
+            ParkedAction::WouldMove => "would_move",
+            ParkedAction::Removed => "removed",
+            ParkedAction::WouldRemove => "would_remove",
+            ParkedAction::Refused => "refused",
+            ParkedAction::Left => "left",
+        }
+    }
+
+    /// What a dry run reports for this action of a real run.
+    pub fn previewed(self) -> Self {
+        match self {
+            ParkedAction::Moved => ParkedAction::WouldMove,
+            ParkedAction::Removed => ParkedAction::WouldRemove,
+            other => other,
+        }
+    }
+}
+
+/// What a redrive does with a selected copy of `class` under `request` (a real run's action;
+/// a dry run reports [`ParkedAction::previewed`]). The one decision both share.
+pub fn planned_action(class: ParkedClass, request: &RedriveRequest) -> ParkedAction {
+    match class {
+        ParkedClass::Reopen | ParkedClass::Resume => ParkedAction::Moved,
+        ParkedClass::Redriven => ParkedAction::Removed,
+        ParkedClass::Processed if request.drop_processed => ParkedAction::Removed,
+        ParkedClass::Processed | ParkedClass::Filtered => ParkedAction::Left,
+        ParkedClass::WouldReapply | ParkedClass::Unknown if request.force => ParkedAction::Moved,
+        ParkedClass::WouldReapply | ParkedClass::Unknown => ParkedAction::Refused,
+    }
+}
+
+/// A parked copy an operator should look at (refused, or PROCESSED).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Finding {
+    /// Inbox key, if the copy has one.
+    pub message_id: Option<String>,
+    /// Consumer that parked it.
+    pub consumer: Option<String>,
+    /// Class.
+    pub class: ParkedClass,
+    /// Action.
+    pub action: ParkedAction,
+    /// Why.
+    pub detail: String,
+}
+
+/// What [`Operations::redrive`] did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct RedriveReport {
+    /// Nothing was changed.
+    pub dry_run: bool,
+    /// Copies in the parking lot when the pass started.
+    pub parked_at_start: u32,
+    /// Copies read.
+    pub examined: u64,
+    /// Copies per class (`reopen`, `resume`, `processed`, ...).
+    pub classes: BTreeMap<&'static str, u64>,
+    /// Copies per action (`moved`, `removed`, `refused`, `left`; a dry run's `would_move`,
+    /// `would_remove`).
+    pub actions: BTreeMap<&'static str, u64>,
+    /// Moved copies whose producer `user-id` could not be restored (see [`Republished`]).
+    pub user_id_not_restored: u64,
+    /// Copies not moved (refused, removed, PROCESSED), at most 1000.
+    pub findings: Vec<Finding>,
+}
+
+impl RedriveReport {
+    /// Copies of `class`.
+    pub fn class(&self, class: ParkedClass) -> u64 {
+        self.classes.get(class.as_str()).copied().unwrap_or(0)
+    }
+
+    /// Copies that got `action`.
+    pub fn action(&self, action: ParkedAction) -> u64 {
+        self.actions.get(action.as_str()).copied().unwrap_or(0)
+    }
+
+    fn note(&mut self, class: ParkedClass, action: ParkedAction) {
+        *self.classes.entry(class.as_str()).or_default() += 1;
+        *self.actions.entry(action.as_str()).or_default() += 1;
+    }
+}
+
+/// The inbox's view of a parked copy.
+struct Classified {
+    class: ParkedClass,
+    key: Option<String>,
+    consumer: Option<String>,
+    message_type: Option<String>,
+    error_code: Option<String>,
+    detail: String,
+    /// For `would_reapply`: whether the copy's body hashes as the removed row's did.
+    tombstone_hash_matches: Option<bool>,
+}
+
+/// Both hashes the inbox may have recorded for a body: canonical JSON (the default) and raw.
+fn body_hashes(parked: &ParkedMessage) -> [Vec<u8>; 2] {
+    let canonical = match parse(parked.message().clone(), &EnvelopeRules::default()) {
+        Ok(e) => e.payload_sha256.to_vec(),
+        Err(invalid) => invalid.envelope.payload_sha256.to_vec(),
+    };
+    [canonical, Sha256::digest(&parked.message().body).to_vec()]
+}
+
+impl Operations {
+    async fn classify(&self, parked: &ParkedMessage) -> Result<Classified, OpsError> {
+        let key = parked.inbox_key().map(str::to_owned);
+        let consumer = parked.consumer().map(str::to_owned);
+        let mut c = Classified {
+            class: ParkedClass::Unknown,
+            key: key.clone(),
+            consumer: consumer.clone(),
+            message_type: parked.message().kind.clone(),
+            error_code: parked.error_code().map(str::to_owned),
+            detail: String::new(),
+            tombstone_hash_matches: None,
+        };
+        let (Some(key), Some(consumer)) = (key, consumer) else {
+            c.detail = "the copy has no x-inbox-message-id / x-inbox-consumer headers: the \
+                        inbox cannot tell whether it was processed"
+                .into();
+            return Ok(c);
+        };
+        let row = sqlx::query(AssertSqlSafe(format!(
+            "SELECT status, message_type, last_error_code, payload_sha256 FROM {} \
+             WHERE consumer_name = $1 AND message_id = $2",
+            self.schema.qualify("message_inbox")
+        )))
+        .persistent(false)
+        .bind(&consumer)
+        .bind(&key)
+        .fetch_optional(&self.pool)
+        .await?;
+        if let Some(row) = row {
+            let status: InboxStatus = row.try_get::<String, _>("status")?.parse()?;
+            c.message_type = Some(row.try_get("message_type")?);
+            if let Some(code) = row.try_get::<Option<String>, _>("last_error_code")? {
+                c.error_code = Some(code);
+            }
+            (c.class, c.detail) = match status {
+                InboxStatus::PermanentFailed
+                | InboxStatus::Poisoned
+                | InboxStatus::ManualReview => (ParkedClass::Reopen, format!("row {status}")),
+                InboxStatus::RetryableFailed | InboxStatus::Processing => (
+                    ParkedClass::Resume,
+                    format!("row already reopened ({status})"),
+                ),
+                InboxStatus::Processed => {
+                    let hash: Vec<u8> = row.try_get("payload_sha256")?;
+                    if self
+                        .left_over_by_redrive(parked, &hash, &consumer, &key)
+                        .await?
+                    {
+                        (
+                            ParkedClass::Redriven,
+                            "row PROCESSED after a redrive moved this message: this copy is \
+                             left over from a redrive stopped before its ack; removed"
+                                .into(),
+                        )
+                    } else {
+                        (
+                            ParkedClass::Processed,
+                            "row PROCESSED: the effect is applied; this copy is left in the \
+                             parking lot for reconciliation (drop_processed removes it)"
+                                .into(),
+                        )
+                    }
+                }
+                // A status this version does not know: left where it is for an operator.
+                _ => (ParkedClass::Unknown, format!("row {status}, left alone")),
+            };
+            return Ok(c);
+        }
+        let tombstone = sqlx::query(AssertSqlSafe(format!(
+            "SELECT payload_sha256, message_type, final_status, removed_at FROM {} \
+             WHERE consumer_name = $1 AND message_id = $2",
+            self.schema.qualify("inbox_tombstone")
+        )))
+        .persistent(false)
+        .bind(&consumer)
+        .bind(&key)
+        .fetch_optional(&self.pool)
+        .await?;
+        match tombstone {
+            Some(t) => {
+                let hash: Vec<u8> = t.try_get("payload_sha256")?;
+                let matches = body_hashes(parked).contains(&hash);
+                let removed: DateTime<Utc> = t.try_get("removed_at")?;
+                let status: String = t.try_get("final_status")?;
+                c.class = ParkedClass::WouldReapply;
+                c.message_type = Some(t.try_get("message_type")?);
+                c.tombstone_hash_matches = Some(matches);
+                let body = if matches {
+                    "identical"
+                } else {
+                    "differs from the removed row's"
+                };
+                c.detail = if status == InboxStatus::Processed.as_str() {
+                    format!(
+                        "retention removed its PROCESSED row on {removed} (body {body}): its \
+                         effect ran, and moving it would apply it again; needs force"
+                    )
+                } else {
+                    format!(
+                        "retention removed its {status} row on {removed} (body {body}): its \
+                         effect never ran, but its row and attempts are gone, so moving it runs \
+                         it as a new message; needs force"
+                    )
+                };
+            }
+            None => {
+                c.detail =
+                    "no inbox row and no tombstone: unknown to the inbox; needs force".into();
+            }
+        }
+        Ok(c)
+    }
+
+    /// Whether a parked copy of a PROCESSED row is one a redrive already moved: the row's
+    /// audit trail has a move by a redrive (`via: redrive`: a reopen, a resume or a forced
+    /// replay), and the copy is the message that was moved (the row's body, not a payload
+    /// conflict parked beside it).
+    async fn left_over_by_redrive(
+        &self,
+        parked: &ParkedMessage,
+        row_hash: &[u8],
+        consumer: &str,
+        key: &str,
+    ) -> Result<bool, OpsError> {
+        if parked.error_code() == Some(rabbit_inbox::status::PAYLOAD_CONFLICT)
+            || !body_hashes(parked).iter().any(|h| h.as_slice() == row_hash)
+        {
+            return Ok(false);
+        }
+        Ok(sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT EXISTS (SELECT 1 FROM {} WHERE consumer_name = $1 AND message_id = $2 \
+               AND details ->> 'via' = $3)",
+            self.schema.qualify("inbox_audit")
+        )))
+        .persistent(false)
+        .bind(consumer)
+        .bind(key)
+        .bind(REDRIVE)
+        .fetch_one(&self.pool)
+        .await?)
+    }
+
+    fn selected(&self, request: &RedriveRequest, parked: &ParkedMessage, c: &Classified) -> bool {
+        let matches = |want: &Option<String>, have: &Option<String>| {
+            want.as_ref().is_none_or(|w| have.as_ref() == Some(w))
+        };
+        let parked_at = parked.parked_at();
+        matches(&request.consumer, &c.consumer)
+            && matches(&request.message_type, &c.message_type)
+            && matches(&request.error_code, &c.error_code)
+            && request
+                .since
+                .is_none_or(|s| parked_at.is_some_and(|p| p >= s))
+            && request
+                .until
+                .is_none_or(|u| parked_at.is_some_and(|p| p < u))
+    }
+
+    /// Moves parked messages back to the work queue after a fix, classifying each against its
+    /// inbox row (see the module docs); counts per class and action at the end. Anything but
+    /// a dry run needs an `actor`: every change is audited. Fails on a broker or database
+    /// error, after putting back what it held.
+    pub async fn redrive(
+        &self,
+        lot: &ParkingLot,
+        request: &RedriveRequest,
+        actor: Option<&Actor>,
+        progress: &dyn Progress,
+    ) -> Result<RedriveReport, OpsError> {
+        self.redrive_seeing(lot, request, actor, progress, None)
+            .await
+    }
+
+    /// [`Operations::redrive`], also collecting the inbox key (consumer, message id) of every
+    /// copy read into `seen`, whatever its class: the other direction of reconciliation
+    /// (parked rows without a copy) needs the keys, not only the counts.
+    pub(crate) async fn redrive_seeing(
+        &self,
+        lot: &ParkingLot,
+        request: &RedriveRequest,
+        actor: Option<&Actor>,
+        progress: &dyn Progress,
+        seen: Option<&mut ParkedKeys>,
+    ) -> Result<RedriveReport, OpsError> {
+        if !request.dry_run && actor.is_none() {
+            return Err(OpsError::Invalid(
+                "a redrive that moves messages needs an actor and a reason (or a dry run)".into(),
+            ));
+        }
+        // The pace is an interval of 1/rate: a tiny rate would overflow it.
+        if request
+            .rate_per_sec
+            .is_some_and(|r| !(MIN_REDRIVE_RATE..=MAX_REDRIVE_RATE).contains(&r))
+        {
+            return Err(OpsError::Invalid(format!(
+                "rate must be a number from {MIN_REDRIVE_RATE} to {MAX_REDRIVE_RATE} per second"
+            )));
+        }
+        let (_, parking) = lot.depths().await?;
+        let Some(depth) = parking.messages else {
+            return Err(OpsError::Invalid(format!(
+                "parking lot {} does not exist",
+                lot.parking_queue()
+            )));
+        };
+        progress.set_total(u64::from(depth));
+        let mut report = RedriveReport {
+            dry_run: request.dry_run,
+            parked_at_start: depth,
+            ..RedriveReport::default()
+        };
+        let mut held = Vec::new();
+        let result = self
+            .redrive_pass(
+                lot,
+                request,
+                actor,
+                progress,
+                depth,
+                &mut held,
+                &mut report,
+                seen,
+            )
+            .await;
+        // Back in their places, whatever happened; a copy not put back (broken channel) comes
+        // back when the connection closes.
+        for parked in held {
+            if let Err(e) = lot.put_back(parked).await {
+                tracing::warn!(error = %e, "could not put a parked copy back; it returns when the connection closes");
+            }
+        }
+        result.map(|()| report)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn redrive_pass(
+        &self,
+        lot: &ParkingLot,
+        request: &RedriveRequest,
+        actor: Option<&Actor>,
+        progress: &dyn Progress,
+        depth: u32,
+        held: &mut Vec<ParkedMessage>,
+        report: &mut RedriveReport,
+        mut seen: Option<&mut ParkedKeys>,
+    ) -> Result<(), OpsError> {
+        let mut pace = request.rate_per_sec.map(|r| {
+            let mut i = tokio::time::interval(Duration::from_secs_f64(1.0 / r));
+            i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            i
+        });
+        let mut moving = 0u64;
+        for _ in 0..depth {
+            if request.limit.is_some_and(|l| moving >= l) {
+                break;
+            }
+            let Some(parked) = lot.next().await? else {
+                break;
+            };
+            report.examined += 1;
+            progress.advance(1);
+            let c = match self.classify(&parked).await {
+                Ok(c) => c,
+                Err(e) => {
+                    held.push(parked);
+                    return Err(e);
+                }
+            };
+            if let (Some(seen), Some(consumer), Some(key)) = (seen.as_mut(), &c.consumer, &c.key) {
+                seen.keys.insert((consumer.clone(), key.clone()));
+                if c.class == ParkedClass::Processed
+                    && parked.error_code() == Some(rabbit_inbox::status::PAYLOAD_CONFLICT)
+                {
+                    seen.processed_conflicts.push(key.clone());
+                }
+            }
+            if !self.selected(request, &parked, &c) {
+                report.note(ParkedClass::Filtered, ParkedAction::Left);
+                held.push(parked);
+                continue;
+            }
+            let planned = planned_action(c.class, request);
+            let finding = |action| Finding {
+                message_id: c.key.clone(),
+                consumer: c.consumer.clone(),
+                class: c.class,
+                action,
+                detail: c.detail.clone(),
+            };
+            let record = |report: &mut RedriveReport, action| {
+                report.note(c.class, action);
+                if action != ParkedAction::Moved
+                    && action != ParkedAction::WouldMove
+                    && report.findings.len() < MAX_FINDINGS
+                {
+                    report.findings.push(finding(action));
+                }
+            };
+            let (true, Some(actor)) = (!request.dry_run, actor) else {
+                // Dry run: what the real run would do, nothing done.
+                if planned == ParkedAction::Moved {
+                    moving += 1;
+                }
+                record(report, planned.previewed());
+                held.push(parked);
+                continue;
+            };
+            match planned {
+                ParkedAction::Removed => {
+                    let action = if c.class == ParkedClass::Redriven {
+                        DROP_REDRIVEN
+                    } else {
+                        DROP_PROCESSED
+                    };
+                    let mut tx = self.pool.begin().await?;
+                    audit(
+                        &mut tx,
+                        &self.schema,
+                        actor,
+                        action,
+                        c.consumer.as_deref(),
+                        c.key.as_deref(),
+                        json!({ "parking_queue": lot.parking_queue() }),
+                    )
+                    .await?;
+                    tx.commit().await?;
+                    lot.remove(parked).await?;
+                    record(report, ParkedAction::Removed);
+                }
+                ParkedAction::Moved => {
+                    if let Some(pace) = pace.as_mut() {
+                        pace.tick().await;
+                    }
+                    match self.move_copy(lot, &parked, &c, actor).await {
+                        Ok(Some(republished)) => {
+                            #[cfg(feature = "fault-injection")]
+                            self.redrive_faults
+                                .at(crate::fault::RedriveStep::AfterConfirm, c.key.as_deref())
+                                .await;
+                            lot.remove(parked).await?;
+                            if republished.user_id_kept_in_header {
+                                report.user_id_not_restored += 1;
+                            }
+                            moving += 1;
+                            record(report, ParkedAction::Moved);
+                        }
+                        // The row changed between classification and its lock (a consumer or
+                        // another operator got there first): leave the copy for the next pass.
+                        Ok(None) => {
+                            record(report, ParkedAction::Left);
+                            held.push(parked);
+                        }
+                        // Before the commit nothing changed; after it the row is open and the
+                        // copy goes back to the parking lot, for the next pass to resume.
+                        Err(e) => {
+                            held.push(parked);
+                            return Err(e);
+                        }
+                    }
+                }
+                ParkedAction::Left
+                | ParkedAction::Refused
+                | ParkedAction::WouldMove
+                | ParkedAction::WouldRemove => {
+                    record(report, planned);
+                    held.push(parked);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reopens (or audits) the row of one copy and commits, then republishes the copy and waits
+    /// for the broker's confirm: the row is open before its copy can reach the consumer. `None`:
+    /// the row no longer fits the class (nothing changed).
+    async fn move_copy(
+        &self,
+        lot: &ParkingLot,
+        parked: &ParkedMessage,
+        c: &Classified,
+        actor: &Actor,
+    ) -> Result<Option<Republished>, OpsError> {
+        let mut tx = self.pool.begin().await?;
+        let details = json!({
+            "via": REDRIVE,
+            "parking_queue": lot.parking_queue(),
+            "work_queue": lot.work_queue(),
+        });
+        match (c.class, c.key.as_deref(), c.consumer.as_deref()) {
+            (ParkedClass::Reopen, Some(key), Some(consumer)) => {
+                match reopen_row(&mut tx, &self.schema, key, consumer, actor, false, details).await
+                {
+                    Ok(_) => {}
+                    Err(OpsError::Refused(_) | OpsError::Invalid(_)) => return Ok(None),
+                    Err(e) => return Err(e),
+                }
+            }
+            (ParkedClass::Resume, Some(key), Some(consumer)) => {
+                let still_open: Option<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+                    "SELECT status FROM {} WHERE consumer_name = $1 AND message_id = $2 \
+                       AND status IN ('RETRYABLE_FAILED', 'PROCESSING') FOR UPDATE",
+                    self.schema.qualify("message_inbox")
+                )))
+                .bind(consumer)
+                .bind(key)
+                .fetch_optional(&mut *tx)
+                .await?;
+                if still_open.is_none() {
+                    return Ok(None);
+                }
+                audit(
+                    &mut tx,
+                    &self.schema,
+                    actor,
+                    REDRIVE,
+                    Some(consumer),
+                    Some(key),
+                    details,
+                )
+                .await?;
+            }
+            (ParkedClass::WouldReapply | ParkedClass::Unknown, key, consumer) => {
+                let mut details = details;
+                if let Some(d) = details.as_object_mut() {
+                    d.insert("class".into(), Value::from(c.class.as_str()));
+                    d.insert(
+                        "tombstone_hash_matches".into(),
+                        c.tombstone_hash_matches.map_or(Value::Null, Value::from),
+                    );
+                    d.insert(
+                        "amqp_message_id".into(),
+                        parked
+                            .message()
+                            .message_id
+                            .clone()
+                            .map_or(Value::Null, Value::from),
+                    );
+                }
+                audit(
+                    &mut tx,
+                    &self.schema,
+                    actor,
+                    FORCED_REPLAY,
+                    consumer,
+                    key,
+                    details,
+                )
+                .await?;
+            }
+            _ => return Ok(None),
+        }
+        #[cfg(feature = "fault-injection")]
+        self.redrive_faults
+            .at(crate::fault::RedriveStep::BeforeCommit, c.key.as_deref())
+            .await;
+        tx.commit().await?;
+        #[cfg(feature = "fault-injection")]
+        self.redrive_faults
+            .at(crate::fault::RedriveStep::AfterCommit, c.key.as_deref())
+            .await;
+        // A failed publish leaves the row open and the parked copy (unacked) goes back: the
+        // next pass resumes it.
+        let republished = lot.republish(parked).await?;
+        Ok(Some(republished))
+    }
+}

@@ -1,0 +1,9 @@
+//! The integration tests of inbox-ops, one binary, against the real PostgreSQL and RabbitMQ
+//! (`DATABASE_URL`, `AMQP_URL`; see the test kit). Each test works in its own schema and
+//! queues, removed afterwards.
+
+mod doctor;
+mod ops_inspect;
+mod ops_recover;
+mod ops_redrive;
+mod retention;

@@ -1,0 +1,175 @@
+//! The delivery state machine's vocabulary: what a row's status is, what a delivery's durable
+//! outcome is, and the error codes the library itself records. Everything else builds on these
+//! words; this module imports nothing of the crate but the error type its parser returns.
+//!
+//! Each [`InboxStatus`] and each [`Outcome`] maps to exactly one broker action (see
+//! ARCHITECTURE.md), so the ledger and the broker cannot disagree.
+
+use std::{fmt, str::FromStr, time::Duration};
+
+use crate::error::StoreError;
+
+/// Status of an inbox row. Each one maps to exactly one broker action, so the ledger and the
+/// broker cannot disagree (see ARCHITECTURE.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+#[non_exhaustive]
+pub enum InboxStatus {
+    /// Being worked on. The transactional mode never commits it (its claim commits PROCESSED
+    /// with the effect); leased mode commits it with a lease while the work runs outside any
+    /// transaction. Broker: the delivery is unacked. Any other committed PROCESSING row comes
+    /// from a custom loop or a crash mid-way there.
+    Processing,
+    /// The business effect committed. Broker: ack.
+    Processed,
+    /// Failed, will be retried. Broker: dead-lettered to the delayed retry queue.
+    RetryableFailed,
+    /// Invalid message or business rule violated. Broker: parked.
+    PermanentFailed,
+    /// Retries exhausted. Broker: parked.
+    Poisoned,
+    /// Recovery found the row stale or its retry lost and set it aside for an operator
+    /// (the manual-review recovery policy of the operator crate, or no payload kept to
+    /// republish).
+    /// Broker: a copy that still turns up is parked.
+    ManualReview,
+}
+
+impl InboxStatus {
+    /// The value stored in the `status` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InboxStatus::Processing => "PROCESSING",
+            InboxStatus::Processed => "PROCESSED",
+            InboxStatus::RetryableFailed => "RETRYABLE_FAILED",
+            InboxStatus::PermanentFailed => "PERMANENT_FAILED",
+            InboxStatus::Poisoned => "POISONED",
+            InboxStatus::ManualReview => "MANUAL_REVIEW",
+        }
+    }
+
+    /// Whether copies of the message belong in the parking lot when its row has this status
+    /// (only an explicit, audited reopen changes such a row).
+    pub fn is_parked(self) -> bool {
+        matches!(
+            self,
+            InboxStatus::PermanentFailed | InboxStatus::Poisoned | InboxStatus::ManualReview
+        )
+    }
+}
+
+impl fmt::Display for InboxStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for InboxStatus {
+    type Err = StoreError;
+    fn from_str(s: &str) -> Result<Self, StoreError> {
+        Ok(match s {
+            "PROCESSING" => InboxStatus::Processing,
+            "PROCESSED" => InboxStatus::Processed,
+            "RETRYABLE_FAILED" => InboxStatus::RetryableFailed,
+            "PERMANENT_FAILED" => InboxStatus::PermanentFailed,
+            "POISONED" => InboxStatus::Poisoned,
+            "MANUAL_REVIEW" => InboxStatus::ManualReview,
+            other => return Err(StoreError::Corrupt(format!("unknown status {other:?}"))),
+        })
+    }
+}
+
+/// The durable result of one delivery, produced only after the state it describes is committed
+/// (or when none could be written). Each maps to one broker action (see ARCHITECTURE.md).
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// This delivery's effect committed now. Broker: ack.
+    Processed,
+    /// The effect had already committed. Broker: ack.
+    Duplicate,
+    /// RETRYABLE_FAILED recorded. Broker: to the delayed retry queue.
+    RetryScheduled {
+        /// Attempts made so far.
+        attempt: i32,
+        /// Error code.
+        code: String,
+    },
+    /// PERMANENT_FAILED or POISONED recorded (or a body conflict counted). Broker: parked with
+    /// the reason in headers.
+    Parked {
+        /// Recorded status of the row.
+        status: InboxStatus,
+        /// Error code.
+        code: String,
+        /// Error message.
+        message: String,
+        /// The row's attempt count when this copy is the row's own (noted on the row once
+        /// the parking lot confirms it); `None` for a copy that is not the row's (a payload
+        /// conflict), which is parked every time.
+        attempt: Option<i32>,
+    },
+    /// A confirmed copy of the message already waits in the broker for its row: the parked
+    /// copy of a parked row, or the retry copy of a RETRYABLE_FAILED row that is not due yet.
+    /// This delivery is a duplicate of it, counted on the row, and runs nothing and charges
+    /// no attempt. Broker: ack.
+    CopyPending {
+        /// Which copy.
+        copy: PendingCopy,
+    },
+    /// Another consumer holds a fresh PROCESSING row for this key. Broker: delayed retry.
+    InFlightElsewhere,
+    /// Nothing durable could be written (database unreachable, commit outcome unknown).
+    /// Broker: requeued after a back-off, so the message comes back.
+    Unrecorded {
+        /// Why.
+        error: String,
+    },
+}
+
+/// Error code of a body that differs from the one first recorded under the same key.
+pub const PAYLOAD_CONFLICT: &str = "payload_conflict";
+
+/// Error code of a message whose handler left the transaction unusable: it ignored a failed
+/// statement (the transaction is aborted) or ended the transaction itself.
+pub const TRANSACTION_ABORTED: &str = "transaction_aborted";
+
+/// Error code recorded when a handler panics. The message is parked with the panic's text: a
+/// panic in a handler is a bug the message exposed, and retrying runs into it again.
+pub const HANDLER_PANICKED: &str = "handler_panicked";
+
+/// Error code of a handler's failure caused by a lost lease (see [`LeaseError::Lost`]).
+pub const LEASE_LOST: &str = "lease_lost";
+
+/// A confirmed copy the broker holds for a row; another delivery of the message is acked as
+/// its duplicate (and counted on the row) instead of being copied or run again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PendingCopy {
+    /// The row is parked and its copy is in the parking lot.
+    Parked,
+    /// The row waits for a retry whose copy is in a retry tier and not yet due.
+    Retry,
+}
+
+/// A copy whose publish the broker confirmed, to be noted on its row (see
+/// [`InboxStore::note_confirmed_copies`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConfirmedCopy {
+    /// Dedup key of the row.
+    pub message_id: String,
+    /// The row's attempt count the copy was made for.
+    pub attempt: i32,
+    /// Where it went.
+    pub kind: ConfirmedCopyKind,
+}
+
+/// Where a confirmed copy went.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum ConfirmedCopyKind {
+    /// The parking lot.
+    Parked,
+    /// A retry tier, due back after this delay.
+    Retry(Duration),
+}

@@ -1,0 +1,23 @@
+//! The integration tests of rabbit-inbox, one binary, against the real PostgreSQL and RabbitMQ
+//! (`DATABASE_URL`, `AMQP_URL`; see the test kit). Each test works in its own schema and
+//! queues, removed afterwards.
+
+mod raw_amqp;
+
+mod broker_hardening;
+mod cluster;
+mod copies;
+mod deep_headers;
+mod delivery_spans;
+mod hardening;
+mod hostile_fields;
+mod inbox;
+mod lease;
+mod malformed;
+mod metric_catalog;
+mod outbox;
+mod oversized_frames;
+mod privacy;
+mod session_losses;
+mod simultaneous_migrate;
+mod tls;
