@@ -209,8 +209,7 @@ async fn an_unsafe_window_is_refused_by_the_timer_and_by_cleanup_unless_forced()
         },
         None,
     )
-    .err()
-    .expect("refused");
+    .expect_err("refused");
     let text = err.to_string();
     assert!(
         matches!(err, ConfigError::UnsafeRetentionWindow(_)),

@@ -335,7 +335,6 @@ mod tests {
         let labels = MessageTypeLabels::new(&TelemetryConfig {
             known_message_types: vec!["OrderPlaced".into()],
             max_message_types: 2,
-            ..TelemetryConfig::default()
         });
         let folded = labels.fold(["OrderPlaced", "a", "b", "c", "a", "OrderPlaced", "d"]);
         let folded: Vec<&str> = folded.iter().map(|s| s.as_ref()).collect();
