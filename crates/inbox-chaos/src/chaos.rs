@@ -13,7 +13,7 @@ use std::{
 use anyhow::Context;
 use clap::Args;
 use nix::{sys::signal::Signal, unistd::Pid};
-use rabbit_inbox::{InboxStatus, SchemaName, broker::parking_headers, store::InboxStore};
+use rabbit_inbox::{InboxStatus, SchemaName, status::parking_headers, store::InboxStore};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use tokio::process::{Child, Command};
 

@@ -25,7 +25,7 @@ use crate::{
     backoff::Backoff,
     broker::{self, PendingDelivery, Session, SessionSettings, Settler, check_addresses},
     config::ConsumerConfig,
-    envelope::{self, AmqpMessage, InvalidMessage, InvalidReason},
+    envelope::{self, AmqpMessage, Envelope, InvalidMessage, InvalidReason},
     error::{ConfigError, ConsumerError},
     handler::{BatchHandler, Handler, PerMessage},
     lease::{LeaseConfig, Leased, LeasedHandler, LeasedProcessor},
@@ -398,7 +398,7 @@ fn refuse_uncopyable(parsed: Parsed, detail: String) -> Parsed {
     }
 }
 
-fn envelope_of(item: &Parsed) -> &crate::Envelope {
+fn envelope_of(item: &Parsed) -> &Envelope {
     match item {
         Ok(e) => e,
         Err(invalid) => &invalid.envelope,
@@ -477,7 +477,7 @@ async fn lane(mut rx: mpsc::Receiver<Work>, ctx: LaneContext) {
 
         // After the back-off above: commit-to-ack measures the broker's side only.
         let committed = Instant::now();
-        let envelopes: Vec<&crate::Envelope> = parsed.iter().map(envelope_of).collect();
+        let envelopes: Vec<&Envelope> = parsed.iter().map(envelope_of).collect();
         ctx.stats.record_outcomes(&outcomes, &envelopes);
         for (span, outcome) in spans.iter().zip(&outcomes) {
             telemetry::trace::record_outcome(span, outcome);

@@ -16,6 +16,15 @@ use crate::{
     dedup::{DedupStrategy, KeyError},
 };
 
+/// Most levels of field tables and arrays a header value may nest, the headers table itself
+/// included. The patched frame parser (`patches/amq-protocol-types`) keeps the same bound and
+/// replaces anything deeper with a marker before the client hands the delivery over.
+pub const MAX_HEADER_DEPTH: usize = 64;
+
+/// What a header value nested deeper than [`MAX_HEADER_DEPTH`] becomes: in the JSON headers of
+/// the envelope and the inbox row, and as a long string in the parked copy.
+pub const HEADER_TOO_DEEP: &str = "[omitted: nested deeper than 64 levels]";
+
 /// Header carrying the message version (integer, or a string holding one). Absent means 1.
 pub const VERSION_HEADER: &str = "x-message-version";
 /// Header carrying the message type when the AMQP `type` property is not set.
@@ -321,7 +330,7 @@ fn classify(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<Inv
     // levels intact (a key header is a top-level string), but a key that is the cut marker
     // itself is no key.
     let refused = |mut envelope: Envelope, reason: InvalidReason, detail: String| match &key {
-        Ok(key) if !key.contains(crate::broker::HEADER_TOO_DEEP) => {
+        Ok(key) if !key.contains(HEADER_TOO_DEEP) => {
             envelope.message_id = key.clone();
             keep_key(envelope, reason, detail)
         }

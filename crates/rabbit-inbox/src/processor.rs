@@ -1214,7 +1214,7 @@ pub(crate) fn parked_again(record: &InboxRecord) -> Outcome {
 pub(crate) fn scheduled_attempt(envelope: &Envelope) -> Option<i32> {
     envelope
         .headers
-        .get(crate::broker::parking_headers::RETRY_ATTEMPT)
+        .get(crate::status::parking_headers::RETRY_ATTEMPT)
         .and_then(serde_json::Value::as_i64)
         .and_then(|n| i32::try_from(n).ok())
 }

@@ -9,7 +9,7 @@
 //! schema are the application's to grant) nor writes the migrations ledger. Migrations run as
 //! the schema's owner, never as one of these roles.
 
-use crate::{SchemaName, schema::MIGRATIONS_TABLE};
+use crate::schema::{MIGRATIONS_TABLE, SchemaName};
 
 /// Which grants a role gets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -11,8 +11,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgConnection, Row, SqlSafeStr, SqlStr};
 
 use crate::{
-    broker::{HEADER_TOO_DEEP, MAX_HEADER_DEPTH},
-    envelope::Envelope,
+    envelope::{Envelope, HEADER_TOO_DEEP, MAX_HEADER_DEPTH},
     error::StoreError,
     privacy::{
         PayloadPrivacy, PayloadRules, PayloadStorage, Phase, Sealed, StoredError, StoredPayload,
@@ -1234,7 +1233,7 @@ impl InboxStore {
         conn: &mut PgConnection,
         consumer: &str,
         stale_after: Duration,
-        retry: &crate::RetryPolicy,
+        retry: &crate::retry::RetryPolicy,
     ) -> Result<OpenRowsSample, StoreError> {
         let delays: Vec<f64> = retry.delays.iter().map(Duration::as_secs_f64).collect();
         let row = sqlx::query(self.sql.sample_open.clone())

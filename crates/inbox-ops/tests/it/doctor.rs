@@ -15,7 +15,7 @@ use inbox_ops::{DoctorReport, DoctorRequest, Operations, Severity, check_ids as 
 use inbox_testkit::env::{Rule, TestEnv, amqp_url, message, wait_for};
 use rabbit_inbox::{
     ConsumerConfig, InboxStatus, PayloadStorage, Topology, broker::OutgoingMessage,
-    broker::parking_headers, retention::RetentionPolicy,
+    retention::RetentionPolicy, status::parking_headers,
 };
 use serde_json::json;
 

@@ -12,7 +12,7 @@ use inbox_ops::{
 };
 use inbox_testkit::env::{Rule, TestEnv, amqp_url, message, wait_for};
 use rabbit_inbox::{
-    InboxStatus, Topology, broker::OutgoingMessage, broker::ParkingLot, broker::parking_headers,
+    InboxStatus, Topology, broker::OutgoingMessage, broker::ParkingLot, status::parking_headers,
 };
 use serde_json::json;
 

@@ -15,7 +15,7 @@ use lapin::{
     types::{AMQPValue, FieldTable, ShortString},
 };
 
-use super::settle::parking_headers;
+use crate::status::parking_headers;
 
 /// Bytes of a content header frame's payload before the properties: class id, weight, body
 /// size.

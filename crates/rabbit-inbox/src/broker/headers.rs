@@ -5,20 +5,14 @@ use lapin::types::{
 };
 use serde_json::{Map, Number, Value};
 
-use crate::error::BrokerError;
+use crate::{
+    envelope::{HEADER_TOO_DEEP, MAX_HEADER_DEPTH},
+    error::BrokerError,
+};
 
 pub(super) fn long_string(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
 }
-
-/// Most levels of field tables and arrays a header value may nest, the headers table itself
-/// included. The patched frame parser (`patches/amq-protocol-types`) keeps the same bound; it
-/// replaces anything deeper with [`NESTED_TOO_DEEP`] before lapin hands the delivery over.
-pub const MAX_HEADER_DEPTH: usize = 64;
-
-/// What a header value nested deeper than [`MAX_HEADER_DEPTH`] becomes: in the JSON headers of
-/// the envelope and the inbox row, and as a long string in the parked copy.
-pub const HEADER_TOO_DEEP: &str = "[omitted: nested deeper than 64 levels]";
 
 /// AMQP header table to JSON, with the reason the headers are incomplete when a value nested
 /// deeper than [`MAX_HEADER_DEPTH`] was replaced by [`HEADER_TOO_DEEP`]. Byte arrays become hex

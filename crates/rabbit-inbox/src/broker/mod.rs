@@ -37,7 +37,7 @@ mod topology;
 pub use addresses::AmqpAddresses;
 pub(crate) use addresses::check_addresses;
 pub(crate) use confirmed::{ConfirmedLink, Publication, PublishResult};
-pub use headers::{HEADER_TOO_DEEP, MAX_HEADER_DEPTH, convert_headers, headers_to_json};
+pub use headers::{convert_headers, headers_to_json};
 pub use parking::{ParkedMessage, ParkingLot, QueueDepth, Republished};
 pub(crate) use publish::check_publishable;
 pub use publish::{Broker, OutgoingMessage, QueueDepths};
@@ -45,7 +45,6 @@ pub use publish::{Broker, OutgoingMessage, QueueDepths};
 pub(crate) use session::{ConnectionHandle, drop_connection};
 pub(crate) use session::{PendingDelivery, Session, SessionSettings, is_fatal};
 pub(crate) use settle::Settler;
-pub use settle::parking_headers;
 pub use tls::{AmqpTls, TlsFiles};
 pub use topology::{QueueType, Topology};
 

@@ -14,9 +14,8 @@ use super::{
     connect,
     publish::{confirm_channel, publish_confirmed},
     session::amqp_message,
-    settle::parking_headers,
 };
-use crate::{envelope::AmqpMessage, error::BrokerError};
+use crate::{envelope::AmqpMessage, error::BrokerError, status::parking_headers};
 
 /// Headers a consumer adds to a parked copy to say why; a redriven message goes back without
 /// them.

@@ -25,43 +25,8 @@ use crate::{
     envelope::Envelope,
     retry::RetryPolicy,
     stats::ConsumerStats,
-    status::{ConfirmedCopy, ConfirmedCopyKind, Outcome},
+    status::{ConfirmedCopy, ConfirmedCopyKind, Outcome, parking_headers},
 };
-
-/// Headers the consumer adds to a parked message. Replay tools read them.
-pub mod parking_headers {
-    /// Inbox status of the row (`PERMANENT_FAILED`, `POISONED`, ...).
-    pub const STATUS: &str = "x-inbox-status";
-    /// Stable error code.
-    pub const ERROR_CODE: &str = "x-inbox-error-code";
-    /// Error message (truncated).
-    pub const ERROR: &str = "x-inbox-error";
-    /// Consumer that parked it.
-    pub const CONSUMER: &str = "x-inbox-consumer";
-    /// Inbox key of the row (a synthetic `invalid:` key for messages without a usable id).
-    pub const INBOX_KEY: &str = "x-inbox-message-id";
-    /// Unix milliseconds when it was parked.
-    pub const PARKED_AT: &str = "x-inbox-parked-at";
-    /// Exchange and routing key it first arrived with, for replay. Kept from the first
-    /// delivery through the retry tiers.
-    pub const ORIGINAL_EXCHANGE: &str = "x-inbox-original-exchange";
-    /// See [`ORIGINAL_EXCHANGE`].
-    pub const ORIGINAL_ROUTING_KEY: &str = "x-inbox-original-routing-key";
-    /// The producer's `expiration` property. Copies to the retry tiers and the parking lot do
-    /// not carry it (a parked copy would expire out of the parking lot); a redrive restores it.
-    pub const ORIGINAL_EXPIRATION: &str = "x-inbox-original-expiration";
-    /// The producer's `user-id` property. Copies do not carry it: the broker refuses a
-    /// publish whose `user-id` is not the publishing connection's user.
-    pub const ORIGINAL_USER_ID: &str = "x-inbox-original-user-id";
-    /// On a copy that could not carry all of the producer's headers within the broker's
-    /// `frame_max`: how many of them were dropped (the largest first) and their encoded size,
-    /// as a table `{count, bytes}`. The inbox row's error says so too.
-    pub const HEADERS_DROPPED: &str = "x-inbox-headers-dropped";
-    /// On a copy sent to a retry tier: the attempt whose failure scheduled it. The copy that
-    /// comes back with the row's current attempt is the scheduled retry and runs; other
-    /// copies of the message that arrive before it is due are acked as duplicates.
-    pub const RETRY_ATTEMPT: &str = "x-inbox-retry-attempt";
-}
 
 /// Longest wait for one settlement (a copy waits for its confirm). Past it the publish counts
 /// as failed, or the consuming channel as broken; the broker redelivers what was not settled.

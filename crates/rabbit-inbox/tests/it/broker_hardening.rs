@@ -12,7 +12,7 @@ use lapin::{
     options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions},
     types::FieldTable,
 };
-use rabbit_inbox::{ConsumerConfig, InboxStatus, QueueType, RetryPolicy, broker::parking_headers};
+use rabbit_inbox::{ConsumerConfig, InboxStatus, QueueType, RetryPolicy, status::parking_headers};
 use tokio::time::Instant;
 
 /// Runs `rabbitmqctl args`; panics when it fails.

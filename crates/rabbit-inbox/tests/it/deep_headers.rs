@@ -13,8 +13,8 @@
 use crate::raw_amqp::{RawPublisher, content_header, frame, long_bytes, short_string};
 use inbox_testkit::env::{TestEnv, header, thing};
 use rabbit_inbox::{
-    InboxStatus, broker::HEADER_TOO_DEEP, broker::MAX_HEADER_DEPTH, broker::parking_headers,
-    envelope::AmqpMessage,
+    InboxStatus, envelope::AmqpMessage, envelope::HEADER_TOO_DEEP, envelope::MAX_HEADER_DEPTH,
+    status::parking_headers,
 };
 use serde_json::Value;
 

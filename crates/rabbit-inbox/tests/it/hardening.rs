@@ -13,8 +13,8 @@ use inbox_testkit::env::{TestEnv, amqp_url, header, message, thing, wait_for};
 use rabbit_inbox::{
     BatchError, BatchHandler, ConfigError, Consumer, EnvelopeRules, Handler, HandlerError,
     InboxMessage, InboxStatus, SchemaName, broker::OutgoingMessage, broker::QueueDepths,
-    broker::parking_headers, envelope::VERSION_HEADER, status::HANDLER_PANICKED,
-    status::PAYLOAD_CONFLICT, status::TRANSACTION_ABORTED, store::Failure,
+    envelope::VERSION_HEADER, status::HANDLER_PANICKED, status::PAYLOAD_CONFLICT,
+    status::TRANSACTION_ABORTED, status::parking_headers, store::Failure,
 };
 use serde_json::json;
 use sqlx::{AssertSqlSafe, PgConnection, postgres::PgPoolOptions};

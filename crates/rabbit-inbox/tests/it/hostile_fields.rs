@@ -6,10 +6,10 @@
 
 use inbox_testkit::env::{TestEnv, header, sha256, thing};
 use rabbit_inbox::{
-    EnvelopeRules, InboxStatus, broker::OutgoingMessage, broker::parking_headers,
-    canonical_json::canonical_json, envelope::AGGREGATE_ID_HEADER, envelope::AGGREGATE_TYPE_HEADER,
-    envelope::AmqpMessage, envelope::CAUSATION_HEADER, envelope::TENANT_HEADER,
-    envelope::TRACEPARENT_HEADER, envelope::TYPE_HEADER, envelope::parse, status::PAYLOAD_CONFLICT,
+    EnvelopeRules, InboxStatus, broker::OutgoingMessage, canonical_json::canonical_json,
+    envelope::AGGREGATE_ID_HEADER, envelope::AGGREGATE_TYPE_HEADER, envelope::AmqpMessage,
+    envelope::CAUSATION_HEADER, envelope::TENANT_HEADER, envelope::TRACEPARENT_HEADER,
+    envelope::TYPE_HEADER, envelope::parse, status::PAYLOAD_CONFLICT, status::parking_headers,
 };
 use serde_json::{Value, json};
 

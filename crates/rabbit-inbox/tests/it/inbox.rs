@@ -11,8 +11,8 @@ use inbox_testkit::env::{
 };
 use rabbit_inbox::{
     EnvelopeRules, ErrorKind, InboxStatus, broker::OutgoingMessage, broker::QueueDepths,
-    broker::parking_headers, envelope::AmqpMessage, envelope::VERSION_HEADER,
-    status::PAYLOAD_CONFLICT, store::Claim,
+    envelope::AmqpMessage, envelope::VERSION_HEADER, status::PAYLOAD_CONFLICT,
+    status::parking_headers, store::Claim,
 };
 use serde_json::json;
 use sqlx::AssertSqlSafe;

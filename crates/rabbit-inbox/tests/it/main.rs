@@ -12,6 +12,7 @@ mod delivery_spans;
 mod hardening;
 mod hostile_fields;
 mod inbox;
+mod layering;
 mod lease;
 mod malformed;
 mod metric_catalog;

@@ -11,8 +11,8 @@ use std::collections::HashMap;
 use inbox_testkit::env::{TestEnv, header, thing};
 use rabbit_inbox::{
     EnvelopeRules, InboxStatus, broker::OutgoingMessage, broker::headers_to_json,
-    broker::parking_headers, dedup::DedupStrategy, dedup::MAX_KEY_LEN, envelope::AmqpMessage,
-    envelope::TYPE_HEADER, envelope::VERSION_HEADER, envelope::parse,
+    dedup::DedupStrategy, dedup::MAX_KEY_LEN, envelope::AmqpMessage, envelope::TYPE_HEADER,
+    envelope::VERSION_HEADER, envelope::parse, status::parking_headers,
 };
 use serde_json::{Map, Value, json};
 

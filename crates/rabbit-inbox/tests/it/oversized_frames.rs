@@ -18,7 +18,7 @@
 use crate::raw_amqp::{RawPublisher, content_header, long_bytes, short_string};
 use inbox_ops::{Actor, NoProgress, Operations, ParkedAction, RedriveRequest};
 use inbox_testkit::env::{TestEnv, amqp_url, header, thing};
-use rabbit_inbox::{InboxStatus, Topology, broker::parking_headers, envelope::AmqpMessage};
+use rabbit_inbox::{InboxStatus, Topology, envelope::AmqpMessage, status::parking_headers};
 
 /// A message whose content header frame is exactly `frame_len` bytes on the wire: a small
 /// `x-aggregate-id` header and a `pad` header that takes up the rest.
