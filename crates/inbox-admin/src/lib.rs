@@ -75,6 +75,16 @@ pub struct AdminState {
     pub metrics: Option<PrometheusHandle>,
 }
 
+impl std::fmt::Debug for AdminState {
+    /// Neither the tokens nor the broker URL (it may hold a password).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminState")
+            .field("ops", &self.ops)
+            .field("queues", &self.queues)
+            .finish_non_exhaustive()
+    }
+}
+
 #[derive(OpenApi)]
 #[openapi(
     info(

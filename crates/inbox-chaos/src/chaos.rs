@@ -33,14 +33,17 @@ use crate::{
 /// outbox itself (`inbox-lab consume --relay`), so a kill also kills a relay mid-flight.
 #[derive(Clone, Debug)]
 pub struct ConsumerCommand {
+    /// The executable.
     pub program: PathBuf,
+    /// Its arguments.
     pub args: Vec<OsString>,
 }
 
 /// Messages per order in the generated stream, about (placed, two payments, some duplicates).
 const MESSAGES_PER_ORDER: f64 = 3.3;
 
-#[derive(Args)]
+/// The chaos run's settings.
+#[derive(Args, Debug)]
 pub struct ChaosArgs {
     /// Messages to publish, at least (the stream is made of orders with payments, duplicates,
     /// out-of-order payments and poison messages).

@@ -50,11 +50,14 @@ pub struct ClusterArgs {
 /// How a node was taken down.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NodeFault {
+    /// SIGKILL the node.
     Kill,
+    /// Stop the node's application cleanly.
     Stop,
 }
 
 /// The local cluster, driven through its script.
+#[derive(Debug)]
 pub struct Cluster {
     script: PathBuf,
     nodes: usize,
@@ -65,6 +68,7 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// The three-node cluster the script runs.
     pub fn new(args: &ClusterArgs) -> Self {
         Self {
             script: args.cluster_script.clone(),
@@ -174,6 +178,7 @@ impl Cluster {
         Ok(())
     }
 
+    /// How many nodes it has.
     pub fn nodes(&self) -> usize {
         self.nodes
     }
@@ -192,9 +197,13 @@ pub struct PublisherFigures {
 }
 
 /// A publisher running in a task; see [`spawn_publisher`].
+#[derive(Debug)]
 pub struct PacedPublisher {
+    /// The task; its figures when it ends.
     pub task: tokio::task::JoinHandle<anyhow::Result<PublisherFigures>>,
+    /// Messages confirmed so far.
     pub confirmed: Arc<AtomicU64>,
+    /// Set when every message is confirmed.
     pub done: Arc<AtomicBool>,
 }
 

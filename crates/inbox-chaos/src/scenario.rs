@@ -44,6 +44,7 @@ pub enum Hostile {
 
 #[cfg(test)]
 impl Hostile {
+    /// Every kind.
     pub const ALL: [Hostile; 5] = [
         Hostile::DeepHeaders,
         Hostile::OversizedFields,
@@ -54,8 +55,11 @@ impl Hostile {
 }
 
 /// One message to publish.
+#[derive(Debug)]
 pub struct Published {
+    /// Where to.
     pub routing_key: String,
+    /// What.
     pub message: OutgoingMessage,
     /// AMQP `expiration` (per-message TTL, milliseconds), if any.
     pub expiration: Option<String>,
@@ -80,7 +84,9 @@ impl Drop for Published {
 }
 
 /// A hostile message of the stream and the outcome it must have.
+#[derive(Debug)]
 pub struct HostileMessage {
+    /// What is wrong with it.
     pub kind: Hostile,
     /// Its AMQP message id (the parked copy keeps it).
     pub message_id: String,
@@ -101,7 +107,10 @@ pub struct Expected {
     pub conflicts: i64,
 }
 
+/// The generated stream and what consuming it must leave in the database.
+#[derive(Debug)]
 pub struct Scenario {
+    /// The messages, in publishing order.
     pub messages: Vec<Published>,
     /// Distinct inbox keys (including the synthetic keys of id-less messages).
     pub unique_keys: usize,
@@ -109,6 +118,7 @@ pub struct Scenario {
     pub duplicates: usize,
     /// Payments published before their order.
     pub out_of_order: usize,
+    /// The database's expected state.
     pub expected: Expected,
     /// A payment whose commit is followed by a dropped connection (crash before ack).
     pub crash_after_commit_of: String,

@@ -13,7 +13,8 @@ use rabbit_inbox::{Consumer, SchemaName};
 
 use crate::{Servers, clean_slate, scenario::Scenario};
 
-#[derive(Args)]
+/// The soak run's settings.
+#[derive(Args, Debug)]
 pub struct SoakArgs {
     /// Messages published per second.
     #[arg(long, default_value_t = 500)]

@@ -90,6 +90,7 @@ pub async fn wait_for(what: &str, check: impl AsyncFnMut() -> bool) {
 
 /// Removes a test's schema and queues when dropped, from a thread with its own runtime so
 /// that it also works while a panicking test unwinds.
+#[derive(Debug)]
 struct Cleanup {
     schema: SchemaName,
     topologies: Arc<Mutex<Vec<Topology>>>,
@@ -156,10 +157,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// One test's world: a schema with the inbox and the test tables, a broker connection, and
 /// the queues it declared.
+#[derive(Debug)]
 pub struct TestEnv {
+    /// A pool on the test database.
     pub pool: PgPool,
+    /// The test's own schema (`t_<hex>`), holding the inbox and the test tables.
     pub schema: SchemaName,
+    /// The ledger in that schema.
     pub store: InboxStore,
+    /// A tool-side broker connection.
     pub broker: Broker,
     /// A unique suffix for names.
     pub id: String,
@@ -169,6 +175,7 @@ pub struct TestEnv {
 }
 
 impl TestEnv {
+    /// A fresh schema with the inbox and the test tables, and a broker connection.
     pub async fn new() -> Self {
         init_tracing();
         let id = random_hex();
@@ -282,6 +289,7 @@ impl TestEnv {
             .expect("publish is confirmed");
     }
 
+    /// Ready and unacked messages of the work queue, its retry tiers and parking lot.
     pub async fn depths(&self, topology: &Topology) -> QueueDepths {
         self.broker
             .queue_depths(topology, &test_retry())
@@ -338,6 +346,7 @@ impl TestEnv {
         )
     }
 
+    /// Starts a consumer on `pool` instead of this environment's.
     pub fn start_with_pool<H: Handler>(
         &self,
         pool: PgPool,
@@ -430,11 +439,14 @@ impl TestEnv {
 }
 
 /// A consumer running in a task.
+#[derive(Debug)]
 pub struct Running {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<(), RunError>>>,
+    /// The consumer's live counters.
     pub stats: Arc<ConsumerStats>,
     #[cfg(feature = "fault-injection")]
+    /// The consumer's fault plan.
     pub faults: Arc<rabbit_inbox::fault::FaultPlan>,
 }
 
@@ -467,6 +479,7 @@ impl Running {
         }
     }
 
+    /// The counters now.
     pub fn snapshot(&self) -> StatsSnapshot {
         self.stats.snapshot()
     }
@@ -506,7 +519,9 @@ pub enum Rule {
 /// A rendezvous with a handler call, see [`Rule::Gate`].
 #[derive(Debug, Default)]
 pub struct Gate {
+    /// Notified when the handler reaches the gate.
     pub entered: Notify,
+    /// Notified by the test to let the handler go on.
     pub release: Notify,
 }
 
@@ -546,7 +561,11 @@ impl Latch {
 
 /// Opens a latch when dropped, so a failing test does not leave a handler holding a transaction
 /// (and its locks) while the cleanup drops the schema.
-pub struct OpenOnDrop(pub Arc<Latch>);
+#[derive(Debug)]
+pub struct OpenOnDrop(
+    /// The latch.
+    pub Arc<Latch>,
+);
 
 impl Drop for OpenOnDrop {
     fn drop(&mut self) {
@@ -606,14 +625,17 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// `rule` for the message `message_id`.
     pub fn for_id(&self, message_id: &str, rule: Rule) {
         lock(&self.by_id).insert(message_id.to_owned(), rule);
     }
 
+    /// `rule` for every message of `message_type` without a rule of its own.
     pub fn for_type(&self, message_type: &str, rule: Rule) {
         lock(&self.by_type).insert(message_type.to_owned(), rule);
     }
 
+    /// No rule for `message_id` any more.
     pub fn clear_id(&self, message_id: &str) {
         lock(&self.by_id).remove(message_id);
     }
@@ -634,7 +656,7 @@ impl Plan {
 /// Applies each message by inserting one row into `effects` inside the transaction, after
 /// noting the call in `handler_calls` and `external_ledger` outside it. Fails as its
 /// [`Plan`] says, after the effect row is written, so a failure must roll the effect back.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct TestHandler {
     schema: SchemaName,
     pool: PgPool,
@@ -736,6 +758,7 @@ pub struct BatchPlan {
 }
 
 impl BatchPlan {
+    /// `rule` for the message `message_id`.
     pub fn for_id(&self, message_id: &str, rule: BatchRule) {
         lock(&self.rules).insert(message_id.to_owned(), rule);
     }
@@ -776,7 +799,7 @@ impl BatchPlan {
 /// Applies a whole batch with one set-based statement (`INSERT .. SELECT FROM UNNEST(..)`),
 /// one `effects` row per message, then fails as its [`BatchPlan`] says, so a failure must roll
 /// the effects back. Logs every call's message ids.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct TestBatchHandler {
     schema: SchemaName,
     plan: Arc<BatchPlan>,

@@ -24,6 +24,8 @@ pub fn pool_size(lanes: usize) -> u32 {
         .max(8)
 }
 
+/// A pool of at most `max_connections` to PostgreSQL at `url`, with an error that names the
+/// server (without its password) and how to start it.
 pub async fn postgres(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
     let options: PgConnectOptions = url
         .parse()
@@ -79,8 +81,10 @@ fn broker_unreachable(url: &str, e: BrokerError, hint: &str) -> anyhow::Error {
     }
 }
 
+/// A tool-side connection to RabbitMQ at `url`, named after the running program (what the
+/// management UI shows), with an error that names the broker and how to start it.
 pub async fn rabbitmq(url: &str) -> anyhow::Result<Broker> {
-    Broker::connect(url, "inboxctl").await.map_err(|e| {
+    Broker::connect(url, &program_name()).await.map_err(|e| {
         broker_unreachable(
             url,
             e,
@@ -98,6 +102,14 @@ pub async fn parking_lot(
     rabbit_inbox::broker::ParkingLot::connect(url, work_queue, parking_queue)
         .await
         .map_err(|e| broker_unreachable(url, e, "or point AMQP_URL at a running broker."))
+}
+
+/// The running executable's name (`inboxctl`, `inbox-lab`), for connection names.
+fn program_name() -> String {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "inboxctl".into())
 }
 
 #[cfg(test)]

@@ -34,6 +34,7 @@ pub struct ObserveArgs {
     /// (protobuf) to this collector URL (e.g. http://127.0.0.1:4318/v1/traces).
     #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", value_name = "URL")]
     pub otlp_endpoint: Option<String>,
+    /// TLS of the export to an `https://` collector.
     #[command(flatten)]
     pub otlp_tls: OtlpTls,
 }
@@ -181,6 +182,7 @@ fn prometheus() -> anyhow::Result<PrometheusBuilder> {
 }
 
 /// Exports spans over OTLP until dropped (then flushes).
+#[derive(Debug)]
 pub struct SpanExport {
     provider: SdkTracerProvider,
 }

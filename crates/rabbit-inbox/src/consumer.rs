@@ -47,6 +47,15 @@ pub struct Consumer<H> {
     handler: PhantomData<fn() -> H>,
 }
 
+impl<H> std::fmt::Debug for Consumer<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("consumer", &self.config.consumer_name)
+            .field("queue", &self.config.topology.queue)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A delivery on its way to a lane, with its span (open until it is settled).
 type Work = (PendingDelivery, Parsed, tracing::Span);
 

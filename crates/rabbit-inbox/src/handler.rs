@@ -341,6 +341,15 @@ pub struct MessageOutbox<'c> {
     pub(crate) position: &'c AtomicU32,
 }
 
+impl std::fmt::Debug for MessageOutbox<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MessageOutbox")
+            .field("consumer", &self.consumer)
+            .field("incoming", &self.incoming.message_id)
+            .finish_non_exhaustive()
+    }
+}
+
 impl MessageOutbox<'_> {
     /// Writes `message`, emitted while handling the incoming message. Unless set on `message`:
     /// the id is [`emitted_message_id`]`(consumer, incoming key, position)`, the causation id

@@ -50,6 +50,7 @@ pub fn config(schema: SchemaName, queue: &str, exchange: &str) -> ConsumerConfig
 }
 
 /// The handler. Amounts are integers in minor units (cents).
+#[derive(Debug)]
 pub struct OrderHandler {
     schema: SchemaName,
     events_exchange: String,

@@ -12,7 +12,7 @@ use std::{
 use order_service::messages::{order_cancelled, order_placed, payment_received, routing_key};
 use rabbit_inbox::{
     Consumer, ConsumerConfig, InboxStatus, SchemaName, broker::Broker, broker::OutgoingMessage,
-    broker::QueueDepths, broker::parking_headers, stats::ConsumerStats, stats::StatsSnapshot,
+    broker::QueueDepths, stats::ConsumerStats, stats::StatsSnapshot, status::parking_headers,
     store::InboxRecord, store::InboxStore,
 };
 use sqlx::{AssertSqlSafe, PgPool, postgres::PgPoolOptions};

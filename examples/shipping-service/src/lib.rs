@@ -62,6 +62,7 @@ pub async fn migrate(pool: &PgPool, schema: &SchemaName) -> Result<(), StoreErro
 }
 
 /// The handler: one shipment per `OrderPaid`.
+#[derive(Debug)]
 pub struct ShippingHandler {
     schema: SchemaName,
 }

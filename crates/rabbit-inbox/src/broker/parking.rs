@@ -53,11 +53,28 @@ pub struct ParkingLot {
     user: String,
 }
 
+impl std::fmt::Debug for ParkingLot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParkingLot")
+            .field("work_queue", &self.work_queue)
+            .field("parking_queue", &self.parking_queue)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A parked copy, held (unacked) until it is put back or removed.
 pub struct ParkedMessage {
     acker: Acker,
     properties: BasicProperties,
     message: AmqpMessage,
+}
+
+impl std::fmt::Debug for ParkedMessage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParkedMessage")
+            .field("message_id", &self.message.message_id)
+            .finish_non_exhaustive()
+    }
 }
 
 /// How a republished message differs from the producer's original.

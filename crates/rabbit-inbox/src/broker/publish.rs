@@ -83,6 +83,14 @@ pub struct Broker {
     channel: Channel,
 }
 
+impl std::fmt::Debug for Broker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Broker")
+            .field("connected", &self.connection.status().connected())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Broker {
     /// Connects and opens a channel in publisher-confirm mode.
     pub async fn connect(amqp_url: &str, connection_name: &str) -> Result<Self, BrokerError> {

@@ -267,6 +267,15 @@ pub struct Relay {
     faults: Arc<RelayFaults>,
 }
 
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("name", &self.config.name)
+            .field("schema", &self.config.schema)
+            .finish_non_exhaustive()
+    }
+}
+
 /// What one round did.
 #[derive(Default)]
 struct Round {

@@ -534,9 +534,7 @@ async fn a_heartbeat_close_to_the_ttl_is_refused() {
         plan: vec![],
         checkpoints: Arc::default(),
     };
-    let err = Consumer::leased("amqp://unused", pool, config, slow, handler)
-        .err()
-        .expect("refused");
+    let err = Consumer::leased("amqp://unused", pool, config, slow, handler).expect_err("refused");
     assert!(err.to_string().contains("lease.heartbeat"), "{err}");
 }
 
