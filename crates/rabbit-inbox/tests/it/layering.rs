@@ -44,6 +44,8 @@ const LAYERS: &[&str] = &[
     // Beside the runtime, never inside it.
     "runner",
     "sampler",
+    // Documentation only.
+    "guide",
 ];
 
 /// Modules named by `crate::<name>` in `source`, outside comments and the unit tests.
