@@ -24,7 +24,7 @@ pub enum DedupStrategy {
     CloudEventsId,
     /// SHA-256 over named stable payload fields (JSON pointers such as `/order_id`), for
     /// producers that send no usable id. List only fields that are equal on every copy. Each
-    /// value is hashed in canonical JSON ([`crate::canonical_json()`]), so key order and
+    /// value is hashed in canonical JSON ([`crate::canonical_json::canonical_json()`]), so key order and
     /// number forms inside it do not matter.
     PayloadFields(Vec<String>),
 }

@@ -54,8 +54,8 @@ pub struct AmqpMessage {
     pub correlation_id: Option<String>,
     /// Application headers, converted to JSON.
     pub headers: Map<String, Value>,
-    /// Why `headers` are incomplete: a value nested deeper than [`crate::MAX_HEADER_DEPTH`]
-    /// was replaced by [`crate::HEADER_TOO_DEEP`]. Such a message is invalid.
+    /// Why `headers` are incomplete: a value nested deeper than [`MAX_HEADER_DEPTH`]
+    /// was replaced by [`HEADER_TOO_DEEP`]. Such a message is invalid.
     pub headers_truncated: Option<String>,
     /// The raw body.
     pub body: Vec<u8>,
@@ -143,7 +143,7 @@ impl Default for FieldLimits {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum BodyHash {
-    /// A JSON body hashes in canonical form ([`crate::canonical_json()`]): a republish that
+    /// A JSON body hashes in canonical form ([`crate::canonical_json::canonical_json()`]): a republish that
     /// writes the same JSON with other key order, whitespace, escapes or number forms is the
     /// same body. A body that is not JSON, or too large to be parsed, hashes its raw bytes.
     #[default]
@@ -226,7 +226,7 @@ pub enum InvalidReason {
     FieldTooLong,
     /// The headers as JSON are larger than [`FieldLimits::headers`].
     HeadersTooLarge,
-    /// A header nests field tables or arrays deeper than [`crate::MAX_HEADER_DEPTH`].
+    /// A header nests field tables or arrays deeper than [`MAX_HEADER_DEPTH`].
     HeadersTooDeep,
 }
 

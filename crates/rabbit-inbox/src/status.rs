@@ -138,7 +138,7 @@ pub const TRANSACTION_ABORTED: &str = "transaction_aborted";
 /// panic in a handler is a bug the message exposed, and retrying runs into it again.
 pub const HANDLER_PANICKED: &str = "handler_panicked";
 
-/// Error code of a handler's failure caused by a lost lease (see [`LeaseError::Lost`]).
+/// Error code of a handler's failure caused by a lost lease (see [`crate::LeaseError::Lost`]).
 pub const LEASE_LOST: &str = "lease_lost";
 
 /// A confirmed copy the broker holds for a row; another delivery of the message is acked as
@@ -153,7 +153,7 @@ pub enum PendingCopy {
 }
 
 /// A copy whose publish the broker confirmed, to be noted on its row (see
-/// [`InboxStore::note_confirmed_copies`]).
+/// [`crate::store::InboxStore::note_confirmed_copies`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ConfirmedCopy {
     /// Dedup key of the row.

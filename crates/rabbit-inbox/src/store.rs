@@ -94,7 +94,7 @@ impl InboxRecord {
     /// `delivery` (another copy of the same message) must not be copied or run again: the
     /// parked copy of a parked row, or the retry copy of a RETRYABLE_FAILED row before it is
     /// due. `scheduled_attempt` is the attempt a retry copy names (its
-    /// [`crate::parking_headers::RETRY_ATTEMPT`] header): the scheduled copy itself runs.
+    /// [`crate::status::parking_headers::RETRY_ATTEMPT`] header): the scheduled copy itself runs.
     pub fn pending_copy(
         &self,
         scheduled_attempt: Option<i32>,

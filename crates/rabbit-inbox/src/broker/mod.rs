@@ -1,24 +1,24 @@
 //! Everything that speaks AMQP; the only module that imports lapin.
 //!
-//! - [`addresses`]: [`AmqpAddresses`], the nodes of a cluster, tried in order on every
+//! - `addresses`: [`AmqpAddresses`], the nodes of a cluster, tried in order on every
 //!   (re)connect.
-//! - [`tls`]: [`AmqpTls`], the CA file and client certificate of `amqps://` connections (and of
+//! - `tls`: [`AmqpTls`], the CA file and client certificate of `amqps://` connections (and of
 //!   the management API over HTTPS, which the operator crate reads), carried in the AMQP URL's
 //!   query.
-//! - [`topology`]: [`Topology`], the queues a consumer uses, and declaring them.
-//! - [`publish`]: confirmed publishing: the consumer runtime's own publishing connection,
+//! - `topology`: [`Topology`], the queues a consumer uses, and declaring them.
+//! - `publish`: confirmed publishing: the consumer runtime's own publishing connection,
 //!   [`Broker`] (the tool-side connection).
-//! - [`session`]: the consumer runtime's connections, its deliveries.
-//! - [`settle`]: [`Settler`], the one place that acks or nacks.
-//! - [`headers`]: AMQP header tables to and from JSON.
-//! - [`frames`]: the size of a content header frame: whether a delivery can be copied whole,
+//! - `session`: the consumer runtime's connections, its deliveries.
+//! - `settle`: `Settler`, the one place that acks or nacks.
+//! - `headers`: AMQP header tables to and from JSON.
+//! - `frames`: the size of a content header frame: whether a delivery can be copied whole,
 //!   and copies cut to fit in `frame_max`.
-//! - [`parking`]: [`ParkingLot`], reading a parking lot one copy at a time and moving parked
+//! - `parking`: [`ParkingLot`], reading a parking lot one copy at a time and moving parked
 //!   copies back to the work queue: the AMQP half of the operator crate's redrive.
-//! - [`confirmed`]: the outbox relay's link: mandatory publishes, a confirm or a return per
+//! - `confirmed`: the outbox relay's link: mandatory publishes, a confirm or a return per
 //!   message.
 //!
-//! Architecture invariants: [`Settler::settle_batch`] is the one function that acks or nacks
+//! Architecture invariants: `Settler::settle_batch` is the one function that acks or nacks
 //! a delivery, and it takes [`crate::Outcome`]s, which only the processor produces after the
 //! outcome is durable. Lapin's `Acker` never leaves this module. The broker knows no
 //! [`crate::ConsumerConfig`]: a session gets the few settings it needs.

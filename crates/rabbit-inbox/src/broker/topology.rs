@@ -45,7 +45,7 @@ pub struct Topology {
     pub single_active_consumer: bool,
     /// `x-delivery-limit` of a quorum work queue: after this many returns to the queue
     /// (requeues, lost sessions) the broker dead-letters the message into the first retry tier.
-    /// Must exceed `retry.max_attempts + prefetch` (checked by [`ConsumerConfig::validate`]).
+    /// Must exceed `retry.max_attempts + prefetch` (checked by [`crate::ConsumerConfig::validate`]).
     /// `None` declares no limit: unlimited on RabbitMQ 3.x, while RabbitMQ 4 applies its
     /// default of 20 to quorum queues, so set it explicitly there.
     pub delivery_limit: Option<u32>,

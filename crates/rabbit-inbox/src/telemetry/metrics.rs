@@ -3,7 +3,7 @@
 //! Metrics go through the `metrics` facade; nothing is recorded until the application installs
 //! a recorder (e.g. `metrics-exporter-prometheus`, as `inbox-lab consume --metrics-addr` does).
 //! Labels are bounded: `consumer` (configured names), `schema` (the outbox's), `outcome`, `reason`, `status`,
-//! `result` and `cause` (fixed sets below) and `message_type`, folded by [`MessageTypeLabels`] to the
+//! `result` and `cause` (fixed sets below) and `message_type`, folded by `MessageTypeLabels` to the
 //! configured known types, the first [`crate::TelemetryConfig::max_message_types`] seen, and
 //! [`OTHER_TYPE`].
 

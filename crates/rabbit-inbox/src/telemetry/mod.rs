@@ -1,6 +1,6 @@
 //! What a running consumer tells the outside: metrics (the catalog in [`metrics`]; the gauges
 //! that need the database come from [`crate::InboxSampler`]) and a tracing span per delivery
-//! ([`trace`]).
+//! (`trace`).
 
 pub mod metrics;
 pub(crate) mod trace;
