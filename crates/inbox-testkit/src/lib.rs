@@ -2,7 +2,7 @@
 //! uses, waiting for a condition, and what a test does when a part it needs is missing.
 //!
 //! Tests talk to real servers; isolation comes from unique names ([`unique_suffix`]), not from
-//! fresh servers. [`env`] holds a scratch inbox (its own schema and queues, removed when
+//! fresh servers. [`mod@env`] holds a scratch inbox (its own schema and queues, removed when
 //! dropped) with test handlers, for the library's and the operator crate's tests.
 
 pub mod env;

@@ -39,6 +39,7 @@ impl Future for Shutdown {
 /// A task of a [`Runner`] ended with an error, or panicked.
 #[derive(Debug, thiserror::Error)]
 #[error("{task} stopped: {source}")]
+#[non_exhaustive]
 pub struct RunError {
     /// The name the task was added under.
     pub task: String,

@@ -48,6 +48,16 @@ const LAYERS: &[&str] = &[
     "guide",
 ];
 
+/// Pairs that the order alone would allow but the architecture does not: the processor and
+/// leased processing turn batches into durable outcomes without speaking to the broker (only
+/// the settler acts on outcomes), and background work is run beside the runtime, not by it.
+const FORBIDDEN: &[(&str, &str)] = &[
+    ("processor", "broker"),
+    ("lease", "broker"),
+    ("consumer", "sampler"),
+    ("consumer", "runner"),
+];
+
 /// Modules named by `crate::<name>` in `source`, outside comments and the unit tests.
 fn imported_modules(source: &str, modules: &BTreeSet<&str>) -> BTreeSet<String> {
     let code: String = source
@@ -136,6 +146,12 @@ fn the_core_modules_import_only_the_layers_below_them() {
         for imported in imported_modules(&source, &modules) {
             if imported != top && rank[imported.as_str()] > own {
                 upward.push(format!("{} imports crate::{imported}", relative.display()));
+            }
+            if FORBIDDEN.contains(&(top, imported.as_str())) {
+                upward.push(format!(
+                    "{} imports crate::{imported}, which its layer must not use",
+                    relative.display()
+                ));
             }
         }
     }
