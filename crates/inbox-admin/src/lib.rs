@@ -30,7 +30,7 @@ mod health;
 mod host;
 mod listen;
 
-use std::{future::Future, ops::Deref, sync::Arc, time::Duration};
+use std::{future::Future, net::SocketAddr, ops::Deref, sync::Arc, time::Duration};
 
 use axum::{
     Json, Router,
@@ -228,6 +228,38 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// The server's shared state and its application, for a listener on `addr`.
+fn build(
+    state: AdminState,
+    addr: SocketAddr,
+    options: &ServeOptions,
+) -> Result<(Arc<Server>, Router), ServeError> {
+    let hosts = options.check(addr, &state.tokens)?;
+    let server = Arc::new(Server {
+        admin: state,
+        throttle: guard::FailureThrottle::default(),
+        readiness: health::Readiness::default(),
+        insecure_http: options.serves_insecure_http(addr),
+    });
+    let app = router(&server, hosts, options);
+    Ok((server, app))
+}
+
+/// The application [`serve`] answers each request with, to drive without a listener (for
+/// example with `tower::ServiceExt::oneshot`): the routes, tokens, `Host` check and headers
+/// of a server on `addr` with `options`, refused where [`serve`] refuses them. What the
+/// listener adds is left out: TLS itself, the connection limit and timeouts, the background
+/// readiness check (`/readyz` stays unchecked), and each request's peer address, which the
+/// failed-authentication throttle and the payload audit read from a
+/// `ConnectInfo<SocketAddr>` extension when the request carries one.
+pub fn app(
+    state: AdminState,
+    addr: SocketAddr,
+    options: &ServeOptions,
+) -> Result<Router, ServeError> {
+    build(state, addr, options).map(|(_, app)| app)
+}
+
 /// Serves `state` on `listener` as `options` say until `shutdown` completes. Refuses what
 /// [`ServeOptions::validate`] refuses.
 pub async fn serve(
@@ -237,31 +269,23 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let addr = listener.local_addr()?;
-    let hosts = options.check(addr, &state.tokens)?;
+    let (server, app) = build(state, addr, &options)?;
     let tls = options
         .tls
         .as_ref()
         .map(listen::tls_config)
         .transpose()?
         .map(tokio_rustls::TlsAcceptor::from);
-    let insecure_http = options.serves_insecure_http(addr);
-    if insecure_http {
+    if server.insecure_http {
         tracing::warn!(
             %addr,
             "admin server: serving clear-text HTTP on an address other machines can reach \
              (--insecure-http): tokens and messages cross the network unencrypted"
         );
     }
-    let server = Arc::new(Server {
-        admin: state,
-        throttle: guard::FailureThrottle::default(),
-        readiness: health::Readiness::default(),
-        insecure_http,
-    });
     let _monitor = AbortOnDrop(tokio::spawn(health::monitor(
         server.clone(),
         options.readiness_interval,
     )));
-    let app = router(&server, hosts, &options);
     listen::run(listener, app, &options, tls, shutdown).await
 }

@@ -1,36 +1,17 @@
-//! The admin API against the real servers: refusals (no token, wrong token, wrong scope, no
-//! reason), reads, audited actions under the token's name, probes, metrics, and the OpenAPI
-//! document naming every route.
-
-#[allow(dead_code)]
-mod util;
+//! The admin API over a real inbox: refusals (no token, wrong token, wrong scope, no reason),
+//! reads, audited actions under the token's name, probes and metrics through a listening
+//! server; the OpenAPI document naming every route and the doctor's report in process.
 
 use std::collections::BTreeSet;
 
 use inbox_admin::Tokens;
+use inbox_testkit::env::wait_for;
 use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};
-use util::{ADMIN_TOKEN, CONSUMER, Fixture, READ_TOKEN, REFUSED_CODE, REFUSED_TYPE};
 
-async fn get(http: &Client, url: &str, token: Option<&str>) -> (StatusCode, Value) {
-    let mut request = http.get(url);
-    if let Some(t) = token {
-        request = request.bearer_auth(t);
-    }
-    let response = request.send().await.expect("request");
-    let status = response.status();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
-
-async fn post(http: &Client, url: &str, token: Option<&str>, body: Value) -> (StatusCode, Value) {
-    let mut request = http.post(url).json(&body);
-    if let Some(t) = token {
-        request = request.bearer_auth(t);
-    }
-    let response = request.send().await.expect("request");
-    let status = response.status();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
+use crate::util::{
+    ADMIN_TOKEN, CONSUMER, Fixture, READ_TOKEN, REFUSED_CODE, REFUSED_TYPE, get, post,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_api_refuses_the_unauthorized_and_audits_the_authorized() {
@@ -175,9 +156,9 @@ async fn the_api_refuses_the_unauthorized_and_audits_the_authorized() {
     );
     let dump: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT coalesce(string_agg(a::text, ' '), '') FROM \"{}\".inbox_audit a",
-        fx.schema.as_str()
+        fx.env.schema.as_str()
     )))
-    .fetch_one(&fx.pool)
+    .fetch_one(&fx.env.pool)
     .await
     .expect("audit text");
     assert!(!dump.contains(ADMIN_TOKEN), "the secret is not audited");
@@ -219,7 +200,7 @@ async fn the_api_refuses_the_unauthorized_and_audits_the_authorized() {
     let (code, _) = get(&http, &format!("{b}/healthz"), None).await;
     assert_eq!(code, StatusCode::OK);
     let mut ready = Value::Null;
-    util::wait_for("the first readiness check", async || {
+    wait_for("the first readiness check", async || {
         ready = get(&http, &format!("{b}/readyz"), None).await.1;
         !ready["checked_at"].is_null()
     })
@@ -239,20 +220,18 @@ async fn the_api_refuses_the_unauthorized_and_audits_the_authorized() {
         .await
         .expect("text");
     assert!(text.contains("inbox_admin_test_total 3"), "{text}");
-
-    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_fails_when_the_broker_is_unreachable_and_open_servers_stay_local() {
-    let fx = Fixture::new(None).await;
+    let fx = Fixture::inbox().await;
     let http = Client::new();
     // Without tokens: only loopback, reads open, actions refused.
     let listener = tokio::net::TcpListener::bind("0.0.0.0:0")
         .await
         .expect("port");
     let state = inbox_admin::AdminState {
-        ops: inbox_ops::Operations::new(fx.pool.clone(), fx.schema.clone()),
+        ops: inbox_ops::Operations::new(fx.env.pool.clone(), fx.env.schema.clone()),
         amqp_url: "amqp://guest:guest@127.0.0.1:1/%2f".into(),
         queues: None,
         tokens: Tokens::none(),
@@ -282,7 +261,7 @@ async fn readiness_fails_when_the_broker_is_unreachable_and_open_servers_stay_lo
         .expect("port");
     let addr = listener.local_addr().expect("addr");
     let state = inbox_admin::AdminState {
-        ops: inbox_ops::Operations::new(fx.pool.clone(), fx.schema.clone()),
+        ops: inbox_ops::Operations::new(fx.env.pool.clone(), fx.env.schema.clone()),
         amqp_url: "amqp://guest:guest@127.0.0.1:1/%2f".into(),
         queues: None,
         tokens: Tokens::none(),
@@ -295,7 +274,7 @@ async fn readiness_fails_when_the_broker_is_unreachable_and_open_servers_stay_lo
         std::future::pending(),
     ));
     let (mut code, mut ready) = (StatusCode::OK, Value::Null);
-    util::wait_for("the first readiness check", async || {
+    wait_for("the first readiness check", async || {
         (code, ready) = get(&http, &format!("http://{addr}/readyz"), None).await;
         !ready["checked_at"].is_null()
     })
@@ -305,15 +284,13 @@ async fn readiness_fails_when_the_broker_is_unreachable_and_open_servers_stay_lo
     assert_eq!(ready["broker"]["ok"], false);
     assert!(ready["broker"]["error"].is_string());
     server.abort();
-    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openapi_document_describes_every_route() {
-    let fx = Fixture::new(None).await;
-    let http = Client::new();
-    let b = &fx.base;
-    let (code, doc) = get(&http, &format!("{b}/api/v1/openapi.json"), None).await;
+    let fx = Fixture::inbox().await;
+    let app = fx.app(crate::util::tokens());
+    let (code, doc) = app.get("/api/v1/openapi.json", None).await;
     assert_eq!(code, StatusCode::OK);
     let mut documented = BTreeSet::new();
     for (path, item) in doc["paths"].as_object().expect("paths") {
@@ -346,33 +323,30 @@ async fn the_openapi_document_describes_every_route() {
     // its missing fields, not for a missing route).
     for route in &documented {
         let (method, path) = route.split_once(' ').expect("method and path");
-        let url = format!(
-            "{b}{}",
-            path.replace("{consumer}", CONSUMER)
-                .replace("{message_id}", "refund-1")
-        );
+        let path = path
+            .replace("{consumer}", CONSUMER)
+            .replace("{message_id}", "refund-1");
         let code = if method == "GET" {
-            get(&http, &url, Some(ADMIN_TOKEN)).await.0
+            app.get(&path, Some(ADMIN_TOKEN)).await.0
         } else {
-            post(&http, &url, Some(ADMIN_TOKEN), json!({})).await.0
+            app.post(&path, Some(ADMIN_TOKEN), json!({})).await.0
         };
         assert!(
             code != StatusCode::NOT_FOUND && code != StatusCode::METHOD_NOT_ALLOWED,
             "{route}: {code}"
         );
     }
-    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn doctor_checks_the_served_inbox_with_a_read_token() {
-    let fx = Fixture::new(None).await;
-    let http = Client::new();
-    let url = format!("{}/api/v1/doctor?consumer={CONSUMER}", fx.base);
-    let (code, _) = get(&http, &url, None).await;
+    let fx = Fixture::inbox().await;
+    let app = fx.app(crate::util::tokens());
+    let url = format!("/api/v1/doctor?consumer={CONSUMER}");
+    let (code, _) = app.get(&url, None).await;
     assert_eq!(code, StatusCode::UNAUTHORIZED);
 
-    let (code, report) = get(&http, &url, Some(READ_TOKEN)).await;
+    let (code, report) = app.get(&url, Some(READ_TOKEN)).await;
     assert_eq!(code, StatusCode::OK, "{report:#}");
     let severity = |id: &str| {
         report["checks"]
@@ -388,20 +362,13 @@ async fn doctor_checks_the_served_inbox_with_a_read_token() {
     assert_eq!(fx.depths().await.parking, 2);
 
     // A dedup window shorter than the replay window is a failure.
-    let (code, report) = get(
-        &http,
-        &format!("{url}&processed_retention=1day"),
-        Some(READ_TOKEN),
-    )
-    .await;
+    let (code, report) = app
+        .get(&format!("{url}&processed_retention=1day"), Some(READ_TOKEN))
+        .await;
     assert_eq!(code, StatusCode::OK);
     assert_eq!(report["worst"], "fail", "{report:#}");
-    let (code, _) = get(
-        &http,
-        &format!("{url}&payload_storage=some"),
-        Some(READ_TOKEN),
-    )
-    .await;
+    let (code, _) = app
+        .get(&format!("{url}&payload_storage=some"), Some(READ_TOKEN))
+        .await;
     assert_eq!(code, StatusCode::BAD_REQUEST);
-    fx.cleanup().await;
 }

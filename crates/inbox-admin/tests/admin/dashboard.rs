@@ -3,9 +3,6 @@
 //! save a screenshot under `target/`. Skips, saying why, when Chromium or chromedriver is not
 //! installed (`apt-get install -y chromium chromium-driver`).
 
-#[allow(dead_code)]
-mod util;
-
 use std::{
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -13,7 +10,9 @@ use std::{
 };
 
 use fantoccini::{Client, ClientBuilder, Locator};
-use util::{ADMIN_TOKEN, CONSUMER, DEADLINE, Fixture, REFUSED_CODE, REFUSED_TYPE};
+use inbox_testkit::env::{DEADLINE, wait_for};
+
+use crate::util::{ADMIN_TOKEN, CONSUMER, Fixture, REFUSED_CODE, REFUSED_TYPE, TempDir};
 
 fn on_path(program: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
@@ -45,7 +44,7 @@ impl Driver {
             child,
             url: format!("http://127.0.0.1:{port}"),
         };
-        util::wait_for("chromedriver to listen", async || {
+        wait_for("chromedriver to listen", async || {
             tokio::net::TcpStream::connect(("127.0.0.1", port))
                 .await
                 .is_ok()
@@ -107,13 +106,11 @@ async fn the_dashboard_previews_and_runs_a_redrive_from_a_parked_message() {
         );
         return;
     };
+    // Dropped in reverse: the browser and chromedriver go first, then the profile, then the
+    // server with the inbox's schema and queues, also when a step below fails.
     let fx = Fixture::new(None).await;
+    let profile = TempDir::new("inbox-admin-chromium");
     let driver = Driver::start(&chromedriver).await;
-    let profile = std::env::temp_dir().join(format!(
-        "inbox-admin-chromium-{}-{}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
     let capabilities = serde_json::json!({
         "goog:chromeOptions": {
             "binary": chromium,
@@ -122,7 +119,7 @@ async fn the_dashboard_previews_and_runs_a_redrive_from_a_parked_message() {
                 "--no-first-run", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync",
                 "--window-size=1400,1800",
-                format!("--user-data-dir={}", profile.display()),
+                format!("--user-data-dir={}", profile.0.display()),
             ],
         }
     });
@@ -261,7 +258,4 @@ async fn the_dashboard_previews_and_runs_a_redrive_from_a_parked_message() {
     );
 
     client.close().await.expect("session closes");
-    drop(driver);
-    let _ = std::fs::remove_dir_all(&profile);
-    fx.cleanup().await;
 }

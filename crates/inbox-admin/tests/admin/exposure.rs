@@ -1,16 +1,14 @@
-//! Probes of an admin server exposed to a network, each against a real server over real
-//! PostgreSQL and RabbitMQ: HTTPS verified against its own certificate and refused by clients
-//! that do not trust it, clear text refused off loopback, the Host check (DNS rebinding), the
-//! payload scope and its audit, readiness without a broker connection per request, slow and
-//! surplus connections, bounded and validated input answered in JSON, no database error text
-//! in responses, throttled failed authentications, and the security headers.
-
-#[allow(dead_code)]
-mod util;
+//! Probes of an admin server exposed to a network, over a real inbox (PostgreSQL and
+//! RabbitMQ). On a listening server: HTTPS verified against its own certificate and refused by
+//! clients that do not trust it, clear text refused off loopback, readiness without a broker
+//! connection per request, slow and surplus connections. In process, where the listener plays
+//! no part: the Host check (DNS rebinding), the payload scope and its audit, bounded and
+//! validated input answered in JSON, no database error text in responses, throttled failed
+//! authentications, and the security headers.
 
 use std::{
     net::SocketAddr,
-    path::{Path, PathBuf},
+    path::Path,
     sync::{
         Arc,
         atomic::{AtomicUsize, Ordering},
@@ -18,36 +16,19 @@ use std::{
     time::Duration,
 };
 
+use axum::{body::Body, http::header};
 use inbox_admin::{ServeOptions, TlsFiles, Tokens};
+use inbox_testkit::env::wait_for;
 use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
 };
-use util::{ADMIN_TOKEN, CONSUMER, Fixture, PAYLOAD_TOKEN, READ_TOKEN};
 
-async fn get(http: &Client, url: &str, token: Option<&str>) -> (StatusCode, Value) {
-    let mut request = http.get(url);
-    if let Some(t) = token {
-        request = request.bearer_auth(t);
-    }
-    let response = request.send().await.expect("request");
-    let status = response.status();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
-
-async fn post(http: &Client, url: &str, token: &str, body: Value) -> (StatusCode, Value) {
-    let response = http
-        .post(url)
-        .bearer_auth(token)
-        .json(&body)
-        .send()
-        .await
-        .expect("request");
-    let status = response.status();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
+use crate::util::{
+    self, ADMIN_TOKEN, CONSUMER, Fixture, InProcess, PAYLOAD_TOKEN, READ_TOKEN, TempDir, get,
+};
 
 /// Sends `request` as written (a browser after DNS rebinding sends what it likes in `Host`)
 /// and returns the status code and body of the answer.
@@ -78,27 +59,6 @@ async fn raw(addr: SocketAddr, request: &str) -> (u16, String) {
 fn get_request(path: &str, host: &str, token: Option<&str>) -> String {
     let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
     format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Connection: close\r\n\r\n")
-}
-
-/// A temporary directory, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "inbox-admin-tls-{}-{}",
-            std::process::id(),
-            rand::random::<u64>()
-        ));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        Self(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn openssl(dir: &Path, args: &[&str]) {
@@ -204,8 +164,8 @@ fn trusting(dir: &Path, ca: &str, localhost: SocketAddr) -> Client {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_is_verified_against_its_certificate_and_clear_text_is_refused_off_loopback() {
-    let fx = Fixture::new(None).await;
-    let dir = TempDir::new();
+    let fx = Fixture::inbox().await;
+    let dir = TempDir::new("inbox-admin-tls");
     ca(&dir.0, "ca");
     ca(&dir.0, "other-ca");
     let files = server_cert(&dir.0, "ca");
@@ -295,7 +255,7 @@ async fn https_is_verified_against_its_certificate_and_clear_text_is_refused_off
         .await;
     let local = SocketAddr::from(([127, 0, 0, 1], addr.port()));
     let mut ready = Value::Null;
-    util::wait_for("the first readiness check", async || {
+    wait_for("the first readiness check", async || {
         let (_, body) = raw(local, &get_request("/readyz", "admin.test", None)).await;
         ready = serde_json::from_str(&body).unwrap_or(Value::Null);
         !ready["checked_at"].is_null()
@@ -303,61 +263,53 @@ async fn https_is_verified_against_its_certificate_and_clear_text_is_refused_off
     .await;
     assert_eq!(ready["insecure_http"], true, "{ready}");
     server.abort();
-    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_for_another_host_are_refused_with_and_without_tokens() {
-    let fx = Fixture::new(None).await;
-    let with_tokens: SocketAddr = fx.base.trim_start_matches("http://").parse().expect("addr");
-    let (open, server) = fx
-        .serve_with(Tokens::none(), None, "127.0.0.1:0", ServeOptions::default())
-        .await;
-    for (addr, token) in [(with_tokens, Some(READ_TOKEN)), (open, None)] {
+    let fx = Fixture::inbox().await;
+    let with_tokens = fx.app(util::tokens());
+    let open = fx.app(Tokens::none());
+    for (app, token) in [(&with_tokens, Some(READ_TOKEN)), (&open, None)] {
+        let addr = app.addr;
         for path in ["/api/v1/messages", "/api/v1/status", "/"] {
-            let (code, body) = raw(addr, &get_request(path, "rebind.evil.example", token)).await;
+            let (code, body) = app.get_for_host(path, "rebind.evil.example", token).await;
             assert_eq!(code, 421, "{path}: {body}");
             assert!(!body.contains("refund-"), "{body}");
-            let (code, _) = raw(
-                addr,
-                &get_request(path, &format!("rebind.evil.example:{}", addr.port()), token),
-            )
-            .await;
+            let (code, _) = app
+                .get_for_host(path, &format!("rebind.evil.example:{}", addr.port()), token)
+                .await;
             assert_eq!(code, 421, "{path}");
             for host in [format!("localhost:{}", addr.port()), addr.to_string()] {
-                let (code, body) = raw(addr, &get_request(path, &host, token)).await;
+                let (code, body) = app.get_for_host(path, &host, token).await;
                 assert_eq!(code, 200, "{path} for {host}: {body}");
             }
         }
         // An absolute URI names the host too.
-        let absolute = format!(
-            "GET http://rebind.evil.example/api/v1/status HTTP/1.1\r\nHost: {addr}\r\n\
-             Connection: close\r\n\r\n"
-        );
-        assert_eq!(raw(addr, &absolute).await.0, 421);
+        let absolute = app
+            .request("GET", "http://rebind.evil.example/api/v1/status", None)
+            .body(Body::empty())
+            .expect("a request");
+        assert_eq!(app.send(absolute).await.status().as_u16(), 421);
     }
     // A name the operator allowed (a proxy in front) is answered.
     let options = ServeOptions {
         allowed_hosts: vec!["admin.example.com".into()],
         ..ServeOptions::default()
     };
-    let (allowed, server_2) = fx
-        .serve_with(util::tokens(), None, "127.0.0.1:0", options)
+    let allowed = InProcess::new(fx.state(util::tokens(), None), util::LOCAL, &options);
+    let (code, _) = allowed
+        .get_for_host("/api/v1/status", "admin.example.com", Some(READ_TOKEN))
         .await;
-    let request = get_request("/api/v1/status", "admin.example.com", Some(READ_TOKEN));
-    assert_eq!(raw(allowed, &request).await.0, 200);
-    server.abort();
-    server_2.abort();
-    fx.cleanup().await;
+    assert_eq!(code, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn payloads_need_the_payload_scope_and_each_read_is_audited() {
-    let fx = Fixture::new(None).await;
-    let http = Client::new();
-    let b = &fx.base;
-    let show = format!("{b}/api/v1/messages/{CONSUMER}/refund-1");
-    let failures = format!("{b}/api/v1/failures");
+    let fx = Fixture::inbox().await;
+    let app = fx.app(util::tokens());
+    let show = format!("/api/v1/messages/{CONSUMER}/refund-1");
+    let failures = "/api/v1/failures";
     let payload_reads = async || {
         fx.audit()
             .await
@@ -368,7 +320,7 @@ async fn payloads_need_the_payload_scope_and_each_read_is_audited() {
     };
 
     // A read token sees the metadata, not the contents; nothing is audited.
-    let (code, detail) = get(&http, &show, Some(READ_TOKEN)).await;
+    let (code, detail) = app.get(&show, Some(READ_TOKEN)).await;
     assert_eq!(code, StatusCode::OK, "{detail}");
     let row = &detail["rows"][0];
     assert_eq!(detail["payload_hidden"], true);
@@ -383,12 +335,12 @@ async fn payloads_need_the_payload_scope_and_each_read_is_audited() {
         !detail.to_string().contains("not supported yet"),
         "{detail}"
     );
-    let (_, groups) = get(&http, &failures, Some(READ_TOKEN)).await;
+    let (_, groups) = app.get(failures, Some(READ_TOKEN)).await;
     assert!(groups[0]["sample_error"].is_null(), "{groups}");
     assert!(payload_reads().await.is_empty());
 
     // read:payload sees them, audited under the token's name before they are returned.
-    let (code, detail) = get(&http, &show, Some(PAYLOAD_TOKEN)).await;
+    let (code, detail) = app.get(&show, Some(PAYLOAD_TOKEN)).await;
     assert_eq!(code, StatusCode::OK, "{detail}");
     let row = &detail["rows"][0];
     assert_eq!(detail["payload_hidden"], false);
@@ -399,49 +351,40 @@ async fn payloads_need_the_payload_scope_and_each_read_is_audited() {
         "{row}"
     );
     assert!(row["last_error_message"].is_string(), "{row}");
-    let (_, groups) = get(&http, &failures, Some(PAYLOAD_TOKEN)).await;
+    let (_, groups) = app.get(failures, Some(PAYLOAD_TOKEN)).await;
     assert!(groups[0]["sample_error"].is_string(), "{groups}");
     assert_eq!(
         payload_reads().await,
         vec![("support".to_owned(), "refund-1".to_owned())]
     );
     // It is still no admin token.
-    let (code, _) = post(
-        &http,
-        &format!("{b}/api/v1/redrive"),
-        PAYLOAD_TOKEN,
-        json!({ "reason": "x", "dry_run": true }),
-    )
-    .await;
+    let (code, _) = app
+        .post(
+            "/api/v1/redrive",
+            Some(PAYLOAD_TOKEN),
+            json!({ "reason": "x", "dry_run": true }),
+        )
+        .await;
     assert_eq!(code, StatusCode::FORBIDDEN);
 
     // admin implies read:payload, audited the same way.
-    let (_, detail) = get(&http, &show, Some(ADMIN_TOKEN)).await;
+    let (_, detail) = app.get(&show, Some(ADMIN_TOKEN)).await;
     assert_eq!(detail["payload_hidden"], false);
     assert_eq!(payload_reads().await.len(), 2);
     assert_eq!(payload_reads().await[1].0, "alice");
 
     // Without tokens (loopback only) there is no name to audit: contents stay hidden.
-    let (open, server) = fx
-        .serve_with(Tokens::none(), None, "127.0.0.1:0", ServeOptions::default())
-        .await;
-    let (code, detail) = get(
-        &http,
-        &format!("http://{open}/api/v1/messages/{CONSUMER}/refund-1"),
-        None,
-    )
-    .await;
+    let open = fx.app(Tokens::none());
+    let (code, detail) = open.get(&show, None).await;
     assert_eq!(code, StatusCode::OK);
     assert_eq!(detail["payload_hidden"], true);
     assert!(detail["rows"][0]["payload"].is_null());
     assert_eq!(payload_reads().await.len(), 2);
-    server.abort();
-    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_opens_no_broker_connection_per_request() {
-    let fx = Fixture::new(None).await;
+    let fx = Fixture::inbox().await;
     // A "broker" that counts the connections it gets and drops them.
     let broker = TcpListener::bind("127.0.0.1:0").await.expect("port");
     let broker_addr = broker.local_addr().expect("addr");
@@ -475,12 +418,11 @@ async fn readiness_opens_no_broker_connection_per_request() {
     );
     server.abort();
     counter.abort();
-    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_sent_requests_are_closed_and_connections_are_bounded() {
-    let fx = Fixture::new(None).await;
+    let fx = Fixture::inbox().await;
     let options = ServeOptions {
         header_read_timeout: Duration::from_secs(1),
         max_connections: 8,
@@ -513,16 +455,14 @@ async fn half_sent_requests_are_closed_and_connections_are_bounded() {
     let (code, _) = raw(addr, &get_request("/healthz", &addr.to_string(), None)).await;
     assert_eq!(code, 200);
     server.abort();
-    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inputs_are_bounded_validated_and_answered_in_json() {
-    let fx = Fixture::new(None).await;
-    let http = Client::new();
-    let b = &fx.base;
-    let reopen = format!("{b}/api/v1/messages/{CONSUMER}/refund-1/reopen");
-    let redrive = format!("{b}/api/v1/redrive");
+    let fx = Fixture::inbox().await;
+    let app = fx.app(util::tokens());
+    let reopen = format!("/api/v1/messages/{CONSUMER}/refund-1/reopen");
+    let redrive = "/api/v1/redrive";
     let bad = |code: StatusCode, body: &Value, what: &str| {
         assert_eq!(code, StatusCode::BAD_REQUEST, "{what}: {body}");
         assert!(
@@ -531,24 +471,26 @@ async fn inputs_are_bounded_validated_and_answered_in_json() {
         );
     };
 
-    let (code, body) = post(
-        &http,
-        &reopen,
-        ADMIN_TOKEN,
-        json!({ "reason": "r".repeat(1001) }),
-    )
-    .await;
+    let (code, body) = app
+        .post(
+            &reopen,
+            Some(ADMIN_TOKEN),
+            json!({ "reason": "r".repeat(1001) }),
+        )
+        .await;
     bad(code, &body, "a 1,001-character reason");
     assert!(body["error"].as_str().is_some_and(|e| e.contains("reason")));
-    let (code, body) = post(
-        &http,
-        &reopen,
-        ADMIN_TOKEN,
-        json!({ "reason": "fixed", "ticket": "t".repeat(201) }),
-    )
-    .await;
+    let (code, body) = app
+        .post(
+            &reopen,
+            Some(ADMIN_TOKEN),
+            json!({ "reason": "fixed", "ticket": "t".repeat(201) }),
+        )
+        .await;
     bad(code, &body, "a 201-character ticket");
-    let (code, body) = post(&http, &reopen, ADMIN_TOKEN, json!({ "ticket": "INC-1" })).await;
+    let (code, body) = app
+        .post(&reopen, Some(ADMIN_TOKEN), json!({ "ticket": "INC-1" }))
+        .await;
     bad(code, &body, "no reason");
     assert!(
         body["error"].as_str().is_some_and(|e| e.contains("reason")),
@@ -560,110 +502,80 @@ async fn inputs_are_bounded_validated_and_answered_in_json() {
         (json!(1e300), json!(null)),
         (json!(1), json!(0)),
     ] {
-        let (code, body) = post(
-            &http,
-            &redrive,
-            ADMIN_TOKEN,
-            json!({ "reason": "r", "dry_run": true, "rate_per_sec": rate, "limit": limit }),
-        )
-        .await;
+        let (code, body) = app
+            .post(
+                redrive,
+                Some(ADMIN_TOKEN),
+                json!({ "reason": "r", "dry_run": true, "rate_per_sec": rate, "limit": limit }),
+            )
+            .await;
         bad(code, &body, &format!("rate {rate}, limit {limit}"));
     }
     for limit in [json!(0), json!(1_000_000_000_000u64), json!(-1)] {
-        let (code, body) = post(
-            &http,
-            &format!("{b}/api/v1/recover"),
-            ADMIN_TOKEN,
-            json!({ "consumer": CONSUMER, "reason": "r", "dry_run": true, "limit": limit }),
-        )
-        .await;
+        let (code, body) = app
+            .post(
+                "/api/v1/recover",
+                Some(ADMIN_TOKEN),
+                json!({ "consumer": CONSUMER, "reason": "r", "dry_run": true, "limit": limit }),
+            )
+            .await;
         bad(code, &body, &format!("recover limit {limit}"));
     }
-    let (code, body) = post(
-        &http,
-        &format!("{b}/api/v1/cleanup/dry-run"),
-        ADMIN_TOKEN,
-        json!({ "consumer": CONSUMER, "reason": "r", "processed_retention": "1000000years" }),
-    )
-    .await;
+    let (code, body) = app
+        .post(
+            "/api/v1/cleanup/dry-run",
+            Some(ADMIN_TOKEN),
+            json!({ "consumer": CONSUMER, "reason": "r", "processed_retention": "1000000years" }),
+        )
+        .await;
     bad(code, &body, "a million years of retention");
-    let response = http
-        .post(&reopen)
-        .bearer_auth(ADMIN_TOKEN)
-        .header("content-type", "application/json")
-        .body("{\"reason\": ")
-        .send()
-        .await
-        .expect("request");
-    let code = response.status();
-    bad(
-        code,
-        &response.json().await.unwrap_or(Value::Null),
-        "broken JSON",
-    );
-    let response = http
-        .post(&reopen)
-        .bearer_auth(ADMIN_TOKEN)
-        .body("reason=fixed")
-        .send()
-        .await
-        .expect("request");
-    let code = response.status();
-    bad(
-        code,
-        &response.json().await.unwrap_or(Value::Null),
-        "not JSON",
-    );
+    let request = app
+        .request("POST", &reopen, Some(ADMIN_TOKEN))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from("{\"reason\": "))
+        .expect("a request");
+    let (code, body) = util::json_of(app.send(request).await).await;
+    bad(code, &body, "broken JSON");
+    let request = app
+        .request("POST", &reopen, Some(ADMIN_TOKEN))
+        .body(Body::from("reason=fixed"))
+        .expect("a request");
+    let (code, body) = util::json_of(app.send(request).await).await;
+    bad(code, &body, "not JSON");
     for query in ["limit=abc", "limit=0", "count_processed=maybe"] {
         let path = if query.starts_with("count") {
             "status"
         } else {
             "messages"
         };
-        let (code, body) = get(
-            &http,
-            &format!("{b}/api/v1/{path}?{query}"),
-            Some(READ_TOKEN),
-        )
-        .await;
+        let (code, body) = app
+            .get(&format!("/api/v1/{path}?{query}"), Some(READ_TOKEN))
+            .await;
         bad(code, &body, query);
     }
-    let (code, body) = get(&http, &format!("{b}/api/v1/nothing-here"), Some(READ_TOKEN)).await;
+    let (code, body) = app.get("/api/v1/nothing-here", Some(READ_TOKEN)).await;
     assert_eq!(code, StatusCode::NOT_FOUND);
     assert!(body["error"].is_string(), "{body}");
 
     // Nothing refused was written, and the server still answers.
     assert!(fx.audit().await.is_empty(), "{:?}", fx.audit().await);
-    assert_eq!(
-        get(&http, &format!("{b}/healthz"), None).await.0,
-        StatusCode::OK
-    );
-    fx.cleanup().await;
+    assert_eq!(app.get("/healthz", None).await.0, StatusCode::OK);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn database_errors_are_logged_under_a_request_id_not_returned() {
-    let fx = Fixture::new(None).await;
-    let missing = rabbit_inbox::SchemaName::new(format!("{}_missing", fx.schema.as_str()))
+    let fx = Fixture::inbox().await;
+    let missing = rabbit_inbox::SchemaName::new(format!("{}_missing", fx.env.schema.as_str()))
         .expect("schema name");
     let mut state = fx.state(util::tokens(), None);
-    state.ops = inbox_ops::Operations::new(fx.pool.clone(), missing.clone());
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("port");
-    let addr = listener.local_addr().expect("addr");
-    let server = tokio::spawn(inbox_admin::serve(
-        listener,
-        state,
-        ServeOptions::default(),
-        std::future::pending(),
-    ));
-    let http = Client::new();
+    state.ops = inbox_ops::Operations::new(fx.env.pool.clone(), missing.clone());
+    let app = InProcess::new(state, util::LOCAL, &ServeOptions::default());
     for path in ["status", "messages", "failures"] {
-        let response = http
-            .get(format!("http://{addr}/api/v1/{path}"))
-            .bearer_auth(READ_TOKEN)
-            .send()
-            .await
-            .expect("request");
+        let request = app
+            .request("GET", &format!("/api/v1/{path}"), Some(READ_TOKEN))
+            .body(Body::empty())
+            .expect("a request");
+        let response = app.send(request).await;
         assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE, "{path}");
         let id = response
             .headers()
@@ -671,7 +583,7 @@ async fn database_errors_are_logged_under_a_request_id_not_returned() {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned)
             .expect("a request id");
-        let body: Value = response.json().await.expect("JSON");
+        let body: Value = serde_json::from_str(&util::text_of(response).await).expect("JSON");
         let text = body["error"].as_str().unwrap_or_default();
         assert_eq!(body["request_id"], id.as_str(), "{body}");
         assert!(text.contains(&id), "{body}");
@@ -685,66 +597,50 @@ async fn database_errors_are_logged_under_a_request_id_not_returned() {
             assert!(!text.contains(leak), "{leak:?} in {body}");
         }
     }
-    server.abort();
-    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeated_failed_authentications_from_one_address_are_slowed() {
-    let fx = Fixture::new(None).await;
-    let (addr, server) = fx
-        .serve_with(util::tokens(), None, "127.0.0.1:0", ServeOptions::default())
-        .await;
-    let http = Client::new();
-    let status = format!("http://{addr}/api/v1/status");
+    let fx = Fixture::inbox().await;
+    let app = fx.app(util::tokens());
+    let status = "/api/v1/status";
     // A missing header (a dashboard before its token is entered) is not a failed guess.
     for _ in 0..10 {
-        assert_eq!(get(&http, &status, None).await.0, StatusCode::UNAUTHORIZED);
+        assert_eq!(app.get(status, None).await.0, StatusCode::UNAUTHORIZED);
     }
-    assert_eq!(
-        get(&http, &status, Some(READ_TOKEN)).await.0,
-        StatusCode::OK
-    );
+    assert_eq!(app.get(status, Some(READ_TOKEN)).await.0, StatusCode::OK);
     for n in 0..inbox_admin::MAX_FAILURES {
         let guess = format!("{:032x}", u128::from(n) + 1);
         assert_eq!(
-            get(&http, &status, Some(&guess)).await.0,
+            app.get(status, Some(&guess)).await.0,
             StatusCode::UNAUTHORIZED
         );
     }
-    let response = http
-        .get(&status)
-        .bearer_auth(READ_TOKEN)
-        .send()
-        .await
-        .expect("request");
+    let request = app
+        .request("GET", status, Some(READ_TOKEN))
+        .body(Body::empty())
+        .expect("a request");
+    let response = app.send(request).await;
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert!(response.headers().get("retry-after").is_some());
     // Other servers (other counters) and probes are unaffected.
-    assert_eq!(
-        get(&http, &format!("http://{addr}/healthz"), None).await.0,
-        StatusCode::OK
-    );
-    assert_eq!(
-        get(
-            &http,
-            &format!("{}/api/v1/status", fx.base),
-            Some(READ_TOKEN)
-        )
-        .await
-        .0,
-        StatusCode::OK
-    );
-    server.abort();
-    fx.cleanup().await;
+    assert_eq!(app.get("/healthz", None).await.0, StatusCode::OK);
+    let other = fx.app(util::tokens());
+    assert_eq!(other.get(status, Some(READ_TOKEN)).await.0, StatusCode::OK);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn responses_carry_nosniff_no_store_and_the_dashboard_a_policy() {
-    let fx = Fixture::new(None).await;
-    let http = Client::new();
-    let b = &fx.base;
-    let header = |r: &reqwest::Response, name: &str| {
+    let fx = Fixture::inbox().await;
+    let app = fx.app(util::tokens());
+    let get = async |path: &str, token: Option<&str>| {
+        let request = app
+            .request("GET", path, token)
+            .body(Body::empty())
+            .expect("a request");
+        app.send(request).await
+    };
+    let header = |r: &axum::http::Response<Body>, name: &str| {
         r.headers()
             .get(name)
             .and_then(|v| v.to_str().ok())
@@ -758,16 +654,12 @@ async fn responses_carry_nosniff_no_store_and_the_dashboard_a_policy() {
         ("/readyz", None),
         ("/api/v1/openapi.json", None),
     ] {
-        let mut request = http.get(format!("{b}{path}"));
-        if let Some(t) = token {
-            request = request.bearer_auth(t);
-        }
-        let r = request.send().await.expect("request");
+        let r = get(path, token).await;
         assert_eq!(header(&r, "x-content-type-options"), "nosniff", "{path}");
         assert_eq!(header(&r, "cache-control"), "no-store", "{path}");
         assert!(!header(&r, "x-request-id").is_empty(), "{path}");
     }
-    let page = http.get(format!("{b}/")).send().await.expect("page");
+    let page = get("/", None).await;
     let policy = header(&page, "content-security-policy");
     assert!(policy.contains("script-src 'self'"), "{policy}");
     assert!(policy.contains("frame-ancestors 'none'"), "{policy}");
@@ -777,8 +669,7 @@ async fn responses_carry_nosniff_no_store_and_the_dashboard_a_policy() {
     );
     assert_eq!(header(&page, "x-content-type-options"), "nosniff");
     for asset in ["/assets/app.js", "/assets/app.css", "/healthz"] {
-        let r = http.get(format!("{b}{asset}")).send().await.expect("asset");
+        let r = get(asset, None).await;
         assert_eq!(header(&r, "x-content-type-options"), "nosniff", "{asset}");
     }
-    fx.cleanup().await;
 }

@@ -1,21 +1,28 @@
-//! A real inbox for the admin server to serve: an isolated schema and queues, filled by a real
-//! consumer that processes `OrderPlaced` and permanently refuses `RefundRequested` (parked),
-//! and the admin server on a free loopback port.
+//! A real inbox for the admin server to serve: the test kit's scratch inbox (its own schema and
+//! queues, removed when dropped, also when a test panics), filled by a real consumer that
+//! processes `OrderPlaced` and permanently refuses `RefundRequested` (parked). Served on a free
+//! loopback port, or driven in process without a socket where a test is about what the
+//! application answers rather than how the listener behaves.
 
-use std::{
-    collections::hash_map::RandomState,
-    hash::BuildHasher,
-    net::SocketAddr,
-    time::{Duration, SystemTime},
+use std::{net::SocketAddr, path::PathBuf};
+
+use axum::{
+    Router,
+    body::Body,
+    extract::ConnectInfo,
+    http::{Request, Response, StatusCode, header, request},
 };
-
 use inbox_admin::{AdminState, PrometheusHandle, Scope, ServeOptions, Tokens};
 use inbox_ops::Operations;
-use rabbit_inbox::{
-    Consumer, ConsumerConfig, Handler, HandlerError, InboxMessage, RetryPolicy, SchemaName,
-    Topology, broker::Broker, broker::OutgoingMessage, broker::QueueDepths,
+use inbox_testkit::{
+    amqp_url,
+    env::{TestEnv, message, test_retry, wait_for},
 };
-use sqlx::{PgConnection, PgPool, postgres::PgPoolOptions};
+use rabbit_inbox::{Handler, HandlerError, InboxMessage, Topology, broker::QueueDepths};
+use reqwest::Client;
+use serde_json::Value;
+use sqlx::PgConnection;
+use tower::ServiceExt as _;
 
 pub(crate) const CONSUMER: &str = "orders";
 pub(crate) const READ_TOKEN: &str = "9b1f3c7e5a2d4f6081c3e5a7b9d1f3e5";
@@ -23,20 +30,9 @@ pub(crate) const PAYLOAD_TOKEN: &str = "4c8e2a6f0b3d5e7a9c1e3f5b7d9a2c4e";
 pub(crate) const ADMIN_TOKEN: &str = "e7d5c3b1a9f8e6d4c2b0a8f6e4d2c0b9";
 pub(crate) const REFUSED_TYPE: &str = "RefundRequested";
 pub(crate) const REFUSED_CODE: &str = "refund_unsupported";
-pub(crate) const DEADLINE: Duration = Duration::from_secs(30);
 
-pub(crate) fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-pub(crate) fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-fn retry() -> RetryPolicy {
-    RetryPolicy::fixed(Duration::from_millis(200))
-}
+/// Where in-process requests are addressed: a loopback address nothing needs to listen on.
+pub(crate) const LOCAL: &str = "127.0.0.1:9480";
 
 /// Processes everything but refunds, which it refuses permanently.
 #[derive(Clone)]
@@ -58,16 +54,6 @@ impl Handler for OrderHandler {
     }
 }
 
-pub(crate) fn message(id: &str, kind: &str) -> OutgoingMessage {
-    OutgoingMessage {
-        message_id: Some(id.to_owned()),
-        kind: Some(kind.to_owned()),
-        correlation_id: None,
-        headers: serde_json::Map::new(),
-        body: serde_json::json!({ "order": id }).to_string().into_bytes(),
-    }
-}
-
 /// The fixture's tokens: `grafana` (read), `support` (read:payload), `alice` (admin).
 pub(crate) fn tokens() -> Tokens {
     let mut tokens = Tokens::none();
@@ -83,65 +69,69 @@ pub(crate) fn tokens() -> Tokens {
     tokens
 }
 
-/// Polls `check` until it holds, failing the test after [`DEADLINE`].
-pub(crate) async fn wait_for(what: &str, mut check: impl AsyncFnMut() -> bool) {
-    let start = tokio::time::Instant::now();
-    while !check().await {
-        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+/// `GET url` over HTTP, with `token` as the bearer if given: the status and the JSON body
+/// (`null` when the body is not JSON).
+pub(crate) async fn get(http: &Client, url: &str, token: Option<&str>) -> (StatusCode, Value) {
+    let mut request = http.get(url);
+    if let Some(t) = token {
+        request = request.bearer_auth(t);
     }
+    let response = request.send().await.expect("request");
+    let status = response.status();
+    (status, response.json().await.unwrap_or(Value::Null))
 }
 
-/// The inbox, its queues and the admin server. Drops the schema and queues when dropped.
+/// `POST url` over HTTP with a JSON `body`, like [`get`].
+pub(crate) async fn post(
+    http: &Client,
+    url: &str,
+    token: Option<&str>,
+    body: Value,
+) -> (StatusCode, Value) {
+    let mut request = http.post(url).json(&body);
+    if let Some(t) = token {
+        request = request.bearer_auth(t);
+    }
+    let response = request.send().await.expect("request");
+    let status = response.status();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+/// The inbox, its queues and, when served, the admin server. The schema and queues go when
+/// it is dropped.
 pub(crate) struct Fixture {
-    pub(crate) schema: SchemaName,
+    pub(crate) env: TestEnv,
     pub(crate) topology: Topology,
-    pub(crate) pool: PgPool,
-    pub(crate) broker: Broker,
-    /// `http://127.0.0.1:<port>`.
+    /// `http://127.0.0.1:<port>` of the fixture's own server (empty when not served).
     pub(crate) base: String,
     server: Option<tokio::task::JoinHandle<()>>,
 }
 
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        // Before the scratch inbox goes: nothing answers from a dropped schema.
+        if let Some(server) = self.server.take() {
+            server.abort();
+        }
+    }
+}
+
 impl Fixture {
-    /// Three processed orders and two parked refunds (`refund-1`, `refund-2`), served with a
-    /// read token `grafana`, a read:payload token `support` and an admin token `alice`, and
-    /// `metrics` at `/metrics`.
+    /// [`Fixture::inbox`], served with [`tokens`] and `metrics` at `/metrics`.
     pub(crate) async fn new(metrics: Option<PrometheusHandle>) -> Self {
-        let id = format!(
-            "{:016x}",
-            RandomState::new().hash_one((SystemTime::now(), std::process::id()))
-        );
-        let schema = SchemaName::new(format!("t_admin_{id}")).expect("schema name");
-        let topology = Topology::new(format!("t-admin-{id}-orders"));
-        let pool = PgPoolOptions::new()
-            .max_connections(8)
-            .acquire_timeout(DEADLINE)
-            .connect(&database_url())
-            .await
-            .expect("PostgreSQL is reachable");
-        rabbit_inbox::migrate(&pool, &schema)
-            .await
-            .expect("migrations apply");
-        let broker = Broker::connect(&amqp_url(), "inbox-admin test")
-            .await
-            .expect("RabbitMQ is reachable");
-        let mut config = ConsumerConfig::new(CONSUMER, topology.clone());
-        config.schema = schema.clone();
-        config.retry = retry();
-        config.max_batch_delay = Duration::from_millis(10);
-        broker
-            .declare(&topology, &config.retry)
-            .await
-            .expect("queues are declared");
-        let mut fixture = Self {
-            schema,
-            topology,
-            pool,
-            broker,
-            base: String::new(),
-            server: None,
-        };
+        let mut fixture = Self::inbox().await;
+        let (base, server) = fixture.serve(tokens(), metrics, "127.0.0.1:0").await;
+        fixture.base = base;
+        fixture.server = Some(server);
+        fixture
+    }
+
+    /// Three processed orders and two parked refunds (`refund-1`, `refund-2`), not served.
+    pub(crate) async fn inbox() -> Self {
+        let env = TestEnv::new().await;
+        let topology = env.topology("orders");
+        let config = env.config(CONSUMER, topology.clone());
+        env.declare(&config).await;
         for (id, kind) in [
             ("order-1", "OrderPlaced"),
             ("order-2", "OrderPlaced"),
@@ -149,33 +139,22 @@ impl Fixture {
             ("order-3", "OrderPlaced"),
             ("refund-2", REFUSED_TYPE),
         ] {
-            fixture
-                .broker
-                .publish("", &fixture.topology.queue, &message(id, kind))
-                .await
-                .expect("publish is confirmed");
+            let order = message(Some(id), kind, &serde_json::json!({ "order": id }));
+            env.publish(&topology, &order).await;
         }
-        let consumer = Consumer::new(amqp_url(), fixture.pool.clone(), config, OrderHandler)
-            .expect("valid consumer");
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let running = tokio::spawn(consumer.run(async move {
-            let _ = stopped.await;
-        }));
+        let consumer = env.start(config, OrderHandler);
+        let fixture = Self {
+            env,
+            topology,
+            base: String::new(),
+            server: None,
+        };
         wait_for("two parked refunds", async || {
             let d = fixture.depths().await;
             d.parking == 2 && d.work == 0
         })
         .await;
-        let _ = stop.send(());
-        tokio::time::timeout(DEADLINE, running)
-            .await
-            .expect("consumer stops")
-            .expect("consumer task")
-            .expect("consumer ran");
-
-        let (base, server) = fixture.serve(tokens(), metrics, "127.0.0.1:0").await;
-        fixture.base = base;
-        fixture.server = Some(server);
+        consumer.stop().await;
         fixture
     }
 
@@ -195,9 +174,9 @@ impl Fixture {
     /// The state of an admin server over this inbox.
     pub(crate) fn state(&self, tokens: Tokens, metrics: Option<PrometheusHandle>) -> AdminState {
         AdminState {
-            ops: Operations::new(self.pool.clone(), self.schema.clone()),
+            ops: Operations::new(self.env.pool.clone(), self.env.schema.clone()),
             amqp_url: amqp_url(),
-            queues: Some((self.topology.clone(), retry())),
+            queues: Some((self.topology.clone(), test_retry())),
             tokens,
             metrics,
         }
@@ -224,34 +203,146 @@ impl Fixture {
         (local, server)
     }
 
+    /// The application over this inbox with `tokens`, in process, as a loopback server at
+    /// [`LOCAL`] with the default options would answer.
+    pub(crate) fn app(&self, tokens: Tokens) -> InProcess {
+        InProcess::new(self.state(tokens, None), LOCAL, &ServeOptions::default())
+    }
+
     pub(crate) async fn depths(&self) -> QueueDepths {
-        self.broker
-            .queue_depths(&self.topology, &retry())
-            .await
-            .expect("queue depths")
+        self.env.depths(&self.topology).await
     }
 
     /// `(actor, action, message_id, reason)` of every audit row, oldest first.
     pub(crate) async fn audit(&self) -> Vec<(String, String, Option<String>, String)> {
         sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "SELECT actor, action, message_id, reason FROM \"{}\".inbox_audit ORDER BY audit_id",
-            self.schema.as_str()
+            self.env.schema.as_str()
         )))
-        .fetch_all(&self.pool)
+        .fetch_all(&self.env.pool)
         .await
         .expect("audit rows")
     }
+}
 
-    /// Stops the server and removes the schema and queues.
-    pub(crate) async fn cleanup(mut self) {
-        if let Some(server) = self.server.take() {
-            server.abort();
+/// The admin application driven in process with `tower::ServiceExt::oneshot`: the routes,
+/// guards and headers without a socket.
+pub(crate) struct InProcess {
+    app: Router,
+    /// The address it answers as, and requests' `Host`.
+    pub(crate) addr: SocketAddr,
+}
+
+impl InProcess {
+    /// `state` as a server on `addr` with `options` answers it.
+    pub(crate) fn new(state: AdminState, addr: &str, options: &ServeOptions) -> Self {
+        let addr = addr.parse().expect("a socket address");
+        let app = inbox_admin::app(state, addr, options).expect("the options are accepted");
+        Self { app, addr }
+    }
+
+    /// A request for `path` addressed to this server, with `token` as the bearer if given.
+    pub(crate) fn request(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+    ) -> request::Builder {
+        let builder = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(header::HOST, self.addr.to_string());
+        match token {
+            Some(t) => builder.header(header::AUTHORIZATION, format!("Bearer {t}")),
+            None => builder,
         }
-        if let Err(e) = self.broker.delete(&self.topology, &retry()).await {
-            eprintln!("cleanup: deleting queues: {e}");
-        }
-        if let Err(e) = rabbit_inbox::schema::drop_schema(&self.pool, &self.schema).await {
-            eprintln!("cleanup: dropping schema: {e}");
-        }
+    }
+
+    /// The answer to `request`, which arrives as the listener hands it over: from a loopback
+    /// peer.
+    pub(crate) async fn send(&self, mut request: Request<Body>) -> Response<Body> {
+        let peer: SocketAddr = ([127, 0, 0, 1], 50_000).into();
+        request.extensions_mut().insert(ConnectInfo(peer));
+        self.app
+            .clone()
+            .oneshot(request)
+            .await
+            .unwrap_or_else(|never| match never {})
+    }
+
+    /// `GET path`: the status and the JSON body (`null` when the body is not JSON).
+    pub(crate) async fn get(&self, path: &str, token: Option<&str>) -> (StatusCode, Value) {
+        let request = self.request("GET", path, token).body(Body::empty());
+        json_of(self.send(request.expect("a request")).await).await
+    }
+
+    /// `POST path` with a JSON `body`, like [`InProcess::get`].
+    pub(crate) async fn post(
+        &self,
+        path: &str,
+        token: Option<&str>,
+        body: Value,
+    ) -> (StatusCode, Value) {
+        let request = self
+            .request("POST", path, token)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body.to_string()));
+        json_of(self.send(request.expect("a request")).await).await
+    }
+
+    /// `GET path` with `Host: host` (what a browser sends after DNS rebinding): the status
+    /// code and the body as text.
+    pub(crate) async fn get_for_host(
+        &self,
+        path: &str,
+        host: &str,
+        token: Option<&str>,
+    ) -> (u16, String) {
+        let mut request = self
+            .request("GET", path, token)
+            .body(Body::empty())
+            .expect("a request");
+        request
+            .headers_mut()
+            .insert(header::HOST, host.parse().expect("a header value"));
+        let response = self.send(request).await;
+        (response.status().as_u16(), text_of(response).await)
+    }
+}
+
+/// The body of `response` as text.
+pub(crate) async fn text_of(response: Response<Body>) -> String {
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .expect("the body");
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// The status of `response` and its body as JSON (`null` when it is not JSON).
+pub(crate) async fn json_of(response: Response<Body>) -> (StatusCode, Value) {
+    let status = response.status();
+    let text = text_of(response).await;
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+/// A temporary directory, removed when dropped.
+pub(crate) struct TempDir(pub(crate) PathBuf);
+
+impl TempDir {
+    /// `<temp>/<prefix>-<pid>-<random>`, created.
+    pub(crate) fn new(prefix: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "{prefix}-{}-{}",
+            std::process::id(),
+            inbox_testkit::unique_suffix()
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }

@@ -3,55 +3,12 @@
 //! unsafe window exits non-zero and says what to set, a forced run is audited, `grants` prints
 //! SQL that PostgreSQL accepts; the exit codes the README gives for `cleanup` and `reopen`.
 
-use std::{
-    hash::{BuildHasher, RandomState},
-    process::Output,
-    time::SystemTime,
-};
+use std::process::Output;
 
+use inbox_testkit::{database_url, unique_suffix};
 use sqlx::{AssertSqlSafe, PgPool};
-use tokio::process::Command;
 
-fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-/// Drops the schema when dropped, also when the test panics.
-struct DropSchema(String);
-
-impl Drop for DropSchema {
-    fn drop(&mut self) {
-        let schema = self.0.clone();
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("cleanup runtime");
-            runtime.block_on(async {
-                if let Ok(pool) = PgPool::connect(&database_url()).await {
-                    let _ = sqlx::raw_sql(AssertSqlSafe(format!(
-                        "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE; \
-                         DROP ROLE IF EXISTS \"{schema}_ro\""
-                    )))
-                    .execute(&pool)
-                    .await;
-                    pool.close().await;
-                }
-            });
-        })
-        .join();
-    }
-}
-
-async fn inboxctl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_inboxctl"))
-        .args(args)
-        .env("DATABASE_URL", database_url())
-        .output()
-        .await
-        .expect("inboxctl runs")
-}
+use crate::common::{Cleanup, inboxctl};
 
 async fn count(pool: &PgPool, sql: String) -> i64 {
     sqlx::query_scalar(AssertSqlSafe(sql))
@@ -62,9 +19,8 @@ async fn count(pool: &PgPool, sql: String) -> i64 {
 
 #[tokio::test]
 async fn cleanup_and_grants_from_the_command_line() {
-    let h = RandomState::new().hash_one((SystemTime::now(), std::process::id()));
-    let schema = format!("t_cli_{h:016x}");
-    let _drop = DropSchema(schema.clone());
+    let schema = format!("t_cli_{}", unique_suffix());
+    let _cleanup = Cleanup::schema(&schema).role(format!("{schema}_ro"));
     let pool = PgPool::connect(&database_url()).await.expect("PostgreSQL");
     let name = rabbit_inbox::SchemaName::new(&schema).expect("valid");
     rabbit_inbox::migrate(&pool, &name).await.expect("migrated");
@@ -236,9 +192,8 @@ fn stderr_of(out: &Output) -> String {
 
 #[tokio::test]
 async fn cleanup_and_reopen_exit_as_documented() {
-    let h = RandomState::new().hash_one((SystemTime::now(), std::process::id()));
-    let schema = format!("t_cli_exit_{h:016x}");
-    let _drop = DropSchema(schema.clone());
+    let schema = format!("t_cli_exit_{}", unique_suffix());
+    let _cleanup = Cleanup::schema(&schema);
     let pool = PgPool::connect(&database_url()).await.expect("PostgreSQL");
     let name = rabbit_inbox::SchemaName::new(&schema).expect("valid");
     rabbit_inbox::migrate(&pool, &name).await.expect("migrated");

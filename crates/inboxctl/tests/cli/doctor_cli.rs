@@ -1,62 +1,23 @@
 //! `inboxctl doctor` against real servers: its exit code says the worst finding (0 all pass,
 //! 3 warnings only, 1 a failure) and `--json` names the failing check.
 
-use std::{
-    hash::{BuildHasher, RandomState},
-    process::Output,
-    time::{Duration, SystemTime},
-};
+use std::{process::Output, time::Duration};
 
+use inbox_testkit::{amqp_url, database_url, unique_suffix};
 use rabbit_inbox::{RetryPolicy, SchemaName, Topology, broker::Broker};
 use serde_json::Value;
 use sqlx::{AssertSqlSafe, PgPool};
-use tokio::process::Command;
+
+use crate::common::{Cleanup, command};
 
 const CONSUMER: &str = "doctor-svc";
-
-fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 fn retry() -> RetryPolicy {
     RetryPolicy::fixed(Duration::from_secs(2))
 }
 
-/// Drops the schema and deletes the queues when dropped, also when the test panics.
-struct Cleanup(SchemaName, Topology);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let (schema, topology) = (self.0.clone(), self.1.clone());
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async {
-                if let Ok(broker) = Broker::connect(&amqp_url(), "test cleanup").await {
-                    let _ = broker.delete(&topology, &retry()).await;
-                    broker.close().await;
-                }
-                if let Ok(pool) = PgPool::connect(&database_url()).await {
-                    let _ = rabbit_inbox::schema::drop_schema(&pool, &schema).await;
-                    pool.close().await;
-                }
-            });
-        })
-        .join();
-    }
-}
-
 async fn doctor(schema: &SchemaName, topology: &Topology, extra: &[&str]) -> (Output, Value) {
-    let output = Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+    let output = command()
         .args([
             "doctor",
             "--schema",
@@ -70,12 +31,6 @@ async fn doctor(schema: &SchemaName, topology: &Topology, extra: &[&str]) -> (Ou
             "--json",
         ])
         .args(extra)
-        .env("DATABASE_URL", database_url())
-        .env("AMQP_URL", amqp_url())
-        .env_remove("RUST_LOG")
-        .env_remove("INBOX_SCHEMA")
-        .env_remove("INBOX_CONSUMER")
-        .env_remove("INBOX_MANAGEMENT_URL")
         .output()
         .await
         .expect("inboxctl runs");
@@ -98,10 +53,10 @@ fn severity_of<'a>(report: &'a Value, id: &str) -> &'a str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn doctor_exit_code_and_json_say_the_worst_finding() {
-    let h = RandomState::new().hash_one((SystemTime::now(), std::process::id()));
-    let schema = SchemaName::new(format!("t_dcli_{h:016x}")).expect("schema");
-    let topology = Topology::new(format!("t-dcli-{h:016x}"));
-    let _cleanup = Cleanup(schema.clone(), topology.clone());
+    let id = unique_suffix();
+    let schema = SchemaName::new(format!("t_dcli_{id}")).expect("schema");
+    let topology = Topology::new(format!("t-dcli-{id}"));
+    let _cleanup = Cleanup::schema(schema.as_str()).queues(&topology, retry());
     let pool = PgPool::connect(&database_url()).await.expect("PostgreSQL");
     rabbit_inbox::migrate(&pool, &schema)
         .await

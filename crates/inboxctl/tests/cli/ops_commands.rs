@@ -4,34 +4,26 @@
 //! After the fix the ledger holds every entry exactly once and the parking lot is empty.
 
 use std::{
-    hash::{BuildHasher, RandomState},
     process::Output,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
     },
-    time::{Duration, Instant, SystemTime},
+    time::Duration,
 };
 
+use inbox_testkit::{amqp_url, database_url, env::wait_for, unique_suffix};
 use rabbit_inbox::{
     Consumer, ConsumerConfig, Handler, HandlerError, InboxMessage, RetryPolicy, SchemaName,
     Topology, broker::Broker, broker::OutgoingMessage,
 };
 use serde_json::{Value, json};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
-use tokio::process::Command;
+
+use crate::common::{Cleanup, command, inboxctl};
 
 const CONSUMER: &str = "ledger-writer";
 const ENTRIES: usize = 40;
-
-fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 /// Writes one ledger row per entry; refuses every entry while `broken` is set.
 #[derive(Clone)]
@@ -63,50 +55,8 @@ impl Handler for LedgerWriter {
     }
 }
 
-/// Removes the schema and queues when dropped, also when the test panics.
-struct Cleanup {
-    schema: SchemaName,
-    topology: Topology,
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let (schema, topology) = (self.schema.clone(), self.topology.clone());
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async {
-                if let Ok(broker) = Broker::connect(&amqp_url(), "ops test cleanup").await {
-                    let _ = broker.delete(&topology, &retry()).await;
-                    broker.close().await;
-                }
-                if let Ok(pool) = PgPool::connect(&database_url()).await {
-                    let _ = rabbit_inbox::schema::drop_schema(&pool, &schema).await;
-                    pool.close().await;
-                }
-            });
-        })
-        .join();
-    }
-}
-
 fn retry() -> RetryPolicy {
     RetryPolicy::fixed(Duration::from_millis(200))
-}
-
-async fn inboxctl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_inboxctl"))
-        .args(args)
-        .env("DATABASE_URL", database_url())
-        .env("AMQP_URL", amqp_url())
-        .env_remove("RUST_LOG")
-        .output()
-        .await
-        .expect("inboxctl runs")
 }
 
 fn json_of(out: &Output) -> Value {
@@ -119,23 +69,12 @@ fn json_of(out: &Output) -> Value {
     })
 }
 
-async fn wait_for(what: &str, mut check: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !check().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operations_commands_on_a_ledger_service() {
-    let h = RandomState::new().hash_one((SystemTime::now(), std::process::id()));
-    let schema = SchemaName::new(format!("t_ops_{h:016x}")).expect("schema name");
-    let topology = Topology::new(format!("t-ops-{h:016x}-ledger"));
-    let _cleanup = Cleanup {
-        schema: schema.clone(),
-        topology: topology.clone(),
-    };
+    let id = unique_suffix();
+    let schema = SchemaName::new(format!("t_ops_{id}")).expect("schema name");
+    let topology = Topology::new(format!("t-ops-{id}-ledger"));
+    let _cleanup = Cleanup::schema(schema.as_str()).queues(&topology, retry());
     let pool = PgPool::connect(&database_url()).await.expect("PostgreSQL");
     rabbit_inbox::migrate(&pool, &schema)
         .await
@@ -298,7 +237,7 @@ async fn operations_commands_on_a_ledger_service() {
 
     // The fix is deployed. A slow redrive is SIGKILLed midway, then run again.
     broken.store(false, Ordering::SeqCst);
-    let mut slow = Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+    let mut slow = command()
         .args([
             "redrive",
             "--schema",
@@ -312,9 +251,6 @@ async fn operations_commands_on_a_ledger_service() {
             "--reason",
             "ledger fix deployed",
         ])
-        .env("DATABASE_URL", database_url())
-        .env("AMQP_URL", amqp_url())
-        .env_remove("RUST_LOG")
         .kill_on_drop(true)
         .spawn()
         .expect("redrive starts");

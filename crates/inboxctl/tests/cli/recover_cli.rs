@@ -2,29 +2,18 @@
 //! table and consumer name): a retry whose copy was lost is found by the dry run, republished
 //! by the real run (audited), and then processed; refusals and failures exit non-zero.
 
-use std::{
-    hash::{BuildHasher, RandomState},
-    process::Output,
-    time::{Duration, SystemTime},
-};
+use std::{process::Output, time::Duration};
 
+use inbox_testkit::{amqp_url, database_url, env::wait_for, unique_suffix};
 use rabbit_inbox::{
     Consumer, ConsumerConfig, Handler, HandlerError, InboxMessage, InboxStatus, RetryPolicy,
     SchemaName, Topology, broker::Broker, broker::OutgoingMessage, store::InboxStore,
 };
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
-use tokio::process::Command;
+
+use crate::common::{Cleanup, inboxctl};
 
 const CONSUMER: &str = "ledger-svc";
-
-fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 fn retry() -> RetryPolicy {
     RetryPolicy::fixed(Duration::from_secs(2))
@@ -54,41 +43,13 @@ impl Handler for Ledger {
     }
 }
 
-/// Drops the schema and deletes the queues when dropped, also when the test panics.
-struct Cleanup(SchemaName, Topology);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let (schema, topology) = (self.0.clone(), self.1.clone());
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async {
-                if let Ok(broker) = Broker::connect(&amqp_url(), "test cleanup").await {
-                    let _ = broker.delete(&topology, &retry()).await;
-                    broker.close().await;
-                }
-                if let Ok(pool) = PgPool::connect(&database_url()).await {
-                    let _ = rabbit_inbox::schema::drop_schema(&pool, &schema).await;
-                    pool.close().await;
-                }
-            });
-        })
-        .join();
-    }
-}
-
 struct Service {
     pool: PgPool,
     config: ConsumerConfig,
 }
 
 impl Service {
-    /// Runs the consumer until `until` holds (checked every 100 ms, at most 30 s), then stops it.
+    /// Runs the consumer until `until` holds (for at most 30 s), then stops it.
     async fn consume_until(&self, what: &str, until: impl AsyncFn() -> bool) {
         let consumer = Consumer::new(
             amqp_url(),
@@ -101,14 +62,7 @@ impl Service {
         let task = tokio::spawn(consumer.run(async move {
             let _ = stopped.await;
         }));
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while !until().await {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "timed out waiting for {what}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_for(what, until).await;
         let _ = stop.send(());
         task.await
             .expect("consumer task")
@@ -134,19 +88,6 @@ impl Service {
     }
 }
 
-async fn inboxctl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_inboxctl"))
-        .args(args)
-        .env("DATABASE_URL", database_url())
-        .env("AMQP_URL", amqp_url())
-        .env_remove("RUST_LOG")
-        .env_remove("INBOX_SCHEMA")
-        .env_remove("INBOX_CONSUMER")
-        .output()
-        .await
-        .expect("inboxctl runs")
-}
-
 fn json(output: &Output) -> serde_json::Value {
     assert!(
         output.status.success(),
@@ -158,10 +99,10 @@ fn json(output: &Output) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recover_finds_republishes_and_audits_a_lost_retry() {
-    let h = RandomState::new().hash_one((SystemTime::now(), std::process::id()));
-    let schema = SchemaName::new(format!("t_rcli_{h:016x}")).expect("schema");
-    let topology = Topology::new(format!("t-rcli-{h:016x}"));
-    let _cleanup = Cleanup(schema.clone(), topology.clone());
+    let id = unique_suffix();
+    let schema = SchemaName::new(format!("t_rcli_{id}")).expect("schema");
+    let topology = Topology::new(format!("t-rcli-{id}"));
+    let _cleanup = Cleanup::schema(schema.as_str()).queues(&topology, retry());
     let pool = PgPool::connect(&database_url()).await.expect("PostgreSQL");
     rabbit_inbox::migrate(&pool, &schema)
         .await

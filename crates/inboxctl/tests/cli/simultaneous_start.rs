@@ -3,62 +3,26 @@
 //! holds the inbox tables once, and nothing else: exactly what the library's own migration
 //! creates. Without `--schema` (or `INBOX_SCHEMA`) it refuses to guess.
 
-use std::{
-    hash::{BuildHasher, RandomState},
-    process::Stdio,
-    time::{Duration, SystemTime},
-};
+use std::{process::Stdio, time::Duration};
 
+use inbox_testkit::{database_url, unique_suffix};
 use sqlx::PgPool;
-use tokio::process::Command;
+
+use crate::common::{Cleanup, command};
 
 /// Processes started together.
 const PROCESSES: usize = 6;
 
-fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-/// Drops the schema when dropped, also when the test panics.
-struct DropSchema(String);
-
-impl Drop for DropSchema {
-    fn drop(&mut self) {
-        let schema = self.0.clone();
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("cleanup runtime");
-            runtime.block_on(async {
-                if let Ok(pool) = PgPool::connect(&database_url()).await {
-                    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                        "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
-                    )))
-                    .execute(&pool)
-                    .await;
-                    pool.close().await;
-                }
-            });
-        })
-        .join();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn simultaneous_migrate_processes_all_exit_zero() {
-    let h = RandomState::new().hash_one((SystemTime::now(), std::process::id()));
-    let schema = format!("t_start_{h:016x}");
-    let _cleanup = DropSchema(schema.clone());
+    let schema = format!("t_start_{}", unique_suffix());
+    let _cleanup = Cleanup::schema(&schema);
 
     // Spawned back to back; each then connects and migrates at about the same moment.
     let children: Vec<_> = (0..PROCESSES)
         .map(|_| {
-            Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+            command()
                 .args(["migrate", "--schema", &schema])
-                .env("DATABASE_URL", database_url())
-                .env_remove("RUST_LOG")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .kill_on_drop(true)
@@ -91,7 +55,7 @@ async fn simultaneous_migrate_processes_all_exit_zero() {
         .await
         .expect("PostgreSQL is reachable");
     let reference = format!("{schema}_ref");
-    let _reference_cleanup = DropSchema(reference.clone());
+    let _reference_cleanup = Cleanup::schema(&reference);
     rabbit_inbox::migrate(
         &pool,
         &rabbit_inbox::SchemaName::new(&reference).expect("schema name"),
@@ -116,10 +80,9 @@ async fn simultaneous_migrate_processes_all_exit_zero() {
 
 #[tokio::test]
 async fn migrate_needs_a_schema() {
-    let out = Command::new(env!("CARGO_BIN_EXE_inboxctl"))
+    // `command` leaves `INBOX_SCHEMA` out of the environment.
+    let out = command()
         .arg("migrate")
-        .env("DATABASE_URL", database_url())
-        .env_remove("INBOX_SCHEMA")
         .output()
         .await
         .expect("inboxctl runs");

@@ -1,0 +1,9 @@
+//! The admin server's integration tests, one binary: the API, its exposure to a network and
+//! the dashboard in headless Chromium, over a real inbox on the real PostgreSQL and RabbitMQ
+//! (`DATABASE_URL`, `AMQP_URL`; see the test kit). Each test works in its own schema and
+//! queues, removed afterwards, also when it fails.
+
+mod api;
+mod dashboard;
+mod exposure;
+mod util;
