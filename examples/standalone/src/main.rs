@@ -13,7 +13,12 @@
 use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
-use rabbit_inbox::{broker::Broker, Consumer, ConsumerConfig, ConsumerError, Handler, HandlerError, InboxMessage, broker::OutgoingMessage, RetryPolicy, SchemaName, stats::StatsSnapshot, Topology};
+use rabbit_inbox::broker::{Broker, OutgoingMessage};
+use rabbit_inbox::stats::StatsSnapshot;
+use rabbit_inbox::{
+    Consumer, ConsumerConfig, ConsumerError, Handler, HandlerError, InboxMessage, RetryPolicy,
+    SchemaName, Topology,
+};
 use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 
