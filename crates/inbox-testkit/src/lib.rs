@@ -64,9 +64,58 @@ pub async fn wait_for(what: &str, timeout: Duration, mut check: impl AsyncFnMut(
     }
 }
 
+/// Makes `subscriber` this thread's default until the guard drops, for a test that captures
+/// spans or logs while other tests of the binary run on other threads.
+///
+/// `tracing` caches per callsite whether any subscriber is interested, process-wide. While a
+/// single subscriber is registered it asks only the current thread's default, so a callsite
+/// first reached by another test's thread would be cached as uninteresting and this test's
+/// subscriber would never see it. A second registered subscriber, kept for the process's
+/// life, makes every registration ask all of them.
+pub fn set_scoped_subscriber(
+    subscriber: impl tracing::Subscriber + Send + Sync + 'static,
+) -> tracing::subscriber::DefaultGuard {
+    static ALWAYS_REGISTERED: std::sync::OnceLock<tracing::Dispatch> = std::sync::OnceLock::new();
+    ALWAYS_REGISTERED
+        .get_or_init(|| tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default()));
+    tracing::subscriber::set_default(subscriber)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::unique_suffix;
+    use super::{set_scoped_subscriber, unique_suffix};
+
+    /// Counts the events it is offered.
+    struct Counting(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+    impl tracing::Subscriber for Counting {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, _: &tracing::Event<'_>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    #[test]
+    fn a_callsite_first_reached_on_another_thread_still_reaches_the_scoped_subscriber() {
+        let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let _guard = set_scoped_subscriber(Counting(seen.clone()));
+        // The same callsite, reached first on a thread without a subscriber of its own.
+        let emit = || tracing::info!("reached");
+        std::thread::scope(|s| {
+            s.spawn(emit);
+        });
+        emit();
+        assert_eq!(seen.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
 
     #[test]
     fn suffixes_differ_and_fit_a_schema_name() {

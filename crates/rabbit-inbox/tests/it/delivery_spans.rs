@@ -29,7 +29,7 @@ fn spans_in_memory() -> (
         .build();
     let subscriber = tracing_subscriber::registry()
         .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
-    (exporter, tracing::subscriber::set_default(subscriber))
+    (exporter, inbox_testkit::set_scoped_subscriber(subscriber))
 }
 
 #[cfg(feature = "otel")]
@@ -204,7 +204,7 @@ async fn the_librarys_logs_never_print_a_body() {
             .with_ansi(false)
             .with_filter(tracing_subscriber::EnvFilter::new("rabbit_inbox=trace")),
     );
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let _guard = inbox_testkit::set_scoped_subscriber(subscriber);
 
     let env = TestEnv::new().await;
     let config = env.config("cards", env.topology("cards"));

@@ -87,7 +87,7 @@ async fn a_delivery_that_ends_every_session_it_reaches_is_named_and_counted() {
             .with_ansi(false)
             .with_filter(tracing_subscriber::EnvFilter::new("rabbit_inbox=info")),
     );
-    let _logs = tracing::subscriber::set_default(subscriber);
+    let _logs = inbox_testkit::set_scoped_subscriber(subscriber);
     let counters = Counters(Registry::atomic());
     let _metrics = metrics::set_default_local_recorder(&counters);
 
