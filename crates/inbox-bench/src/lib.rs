@@ -107,8 +107,13 @@ pub struct ModeResult {
     pub peak_rss_mb: f64,
     /// Exactly-once check from the database (None where no database is involved).
     pub exactly_once: Option<bool>,
-    /// Where the CPU went: milliseconds per 1000 messages (median of the runs).
+    /// Where the CPU went: milliseconds per 1000 messages (median of the runs), PostgreSQL
+    /// backends that exited during the run included.
     pub cpu_ms_per_1k: CpuShare,
+    /// CPU time of the consumer, PostgreSQL and RabbitMQ over all cores' time during the run
+    /// (median): near 1.0 the run is bound by this machine's CPU, well below it by waits
+    /// (round trips, fsync, confirms).
+    pub cores_busy: f64,
     /// For a run against a prefilled inbox: its size and the paired empty-inbox figure.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefilled: Option<Prefilled>,
@@ -552,6 +557,7 @@ async fn low_load(
         peak_rss_mb: procfs::peak_mb(),
         exactly_once: Some(exactly_once && s.latency_samples >= count as u64),
         cpu_ms_per_1k: CpuShare::default(),
+        cores_busy: 0.0,
         prefilled: None,
     })
 }
@@ -584,11 +590,19 @@ fn summarize(mode: String, messages: usize, runs: Vec<Run>) -> ModeResult {
             .iter()
             .map(|r| r.exactly_once)
             .try_fold(true, |acc, e| e.map(|e| acc && e)),
-        cpu_ms_per_1k: CpuShare {
-            consumer: median(runs.iter().map(|r| r.cpu.consumer).collect()),
-            postgres: median(runs.iter().map(|r| r.cpu.postgres).collect()),
-            broker: median(runs.iter().map(|r| r.cpu.broker).collect()),
-        },
+        cpu_ms_per_1k: CpuShare::new(
+            median(runs.iter().map(|r| r.cpu.consumer).collect()),
+            median(runs.iter().map(|r| r.cpu.postgres).collect()),
+            median(runs.iter().map(|r| r.cpu.broker).collect()),
+        ),
+        cores_busy: median(
+            runs.iter()
+                .map(|r| {
+                    let cpu_ms = r.cpu.total * messages as f64 / 1000.0;
+                    cpu_ms / (ms(r.elapsed) * procfs::cores()).max(f64::MIN_POSITIVE)
+                })
+                .collect(),
+        ),
         prefilled: None,
     }
 }
@@ -640,7 +654,7 @@ impl fmt::Display for BenchReport {
         writeln!(f, "{}", self.setup)?;
         writeln!(
             f,
-            "| {:<62} | {:>9} | {:>10} | {:>11} | {:>7} | {:>7} | {:>8} | {:>12} | {:>22} |",
+            "| {:<62} | {:>9} | {:>10} | {:>11} | {:>7} | {:>7} | {:>8} | {:>12} | {:>29} | {:>10} |",
             "mode",
             "msgs/s",
             "x ceiling",
@@ -649,11 +663,12 @@ impl fmt::Display for BenchReport {
             "p99 ms",
             "peak MiB",
             "exactly-once",
-            "cpu ms/1k: app/pg/mq"
+            "cpu ms/1k: app/pg/mq = all",
+            "cores busy"
         )?;
         writeln!(
             f,
-            "|{}|{}|{}|{}|{}|{}|{}|{}|{}|",
+            "|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|",
             "-".repeat(64),
             "-".repeat(11),
             "-".repeat(12),
@@ -662,7 +677,8 @@ impl fmt::Display for BenchReport {
             "-".repeat(9),
             "-".repeat(10),
             "-".repeat(14),
-            "-".repeat(24)
+            "-".repeat(31),
+            "-".repeat(12)
         )?;
         for m in &self.modes {
             let ratio = |base: f64| {
@@ -674,7 +690,7 @@ impl fmt::Display for BenchReport {
             };
             writeln!(
                 f,
-                "| {:<62} | {:>9.0} | {:>10} | {:>11} | {:>7.2} | {:>7.2} | {:>8.1} | {:>12} | {:>22} |",
+                "| {:<62} | {:>9.0} | {:>10} | {:>11} | {:>7.2} | {:>7.2} | {:>8.1} | {:>12} | {:>29} | {:>10} |",
                 m.mode,
                 m.msgs_per_s,
                 ratio(ceiling),
@@ -688,9 +704,17 @@ impl fmt::Display for BenchReport {
                     Some(false) => "NO",
                 },
                 format!(
-                    "{:.0} / {:.0} / {:.0}",
-                    m.cpu_ms_per_1k.consumer, m.cpu_ms_per_1k.postgres, m.cpu_ms_per_1k.broker
-                )
+                    "{:.0} / {:.0} / {:.0} = {:.0}",
+                    m.cpu_ms_per_1k.consumer,
+                    m.cpu_ms_per_1k.postgres,
+                    m.cpu_ms_per_1k.broker,
+                    m.cpu_ms_per_1k.total
+                ),
+                if m.cores_busy > 0.0 {
+                    format!("{:.0}%", m.cores_busy * 100.0)
+                } else {
+                    "-".into()
+                }
             )?;
         }
         Ok(())

@@ -1,6 +1,11 @@
 //! What the kernel says about processes (Linux `/proc`): this process's peak resident memory,
 //! and CPU time of this process, PostgreSQL and RabbitMQ, to show where a run's time goes.
 //! Readings are 0 where `/proc` is unavailable.
+//!
+//! A process's reading includes the CPU time of its children that have exited and been
+//! reaped (`cutime`, `cstime`): a PostgreSQL backend that ends during a run (the consumer's
+//! lane connections close when it stops) moves its time into the postmaster's, so it is still
+//! counted instead of vanishing from `/proc` between the two readings.
 
 /// Resets the kernel's peak-RSS mark, so the next reading covers only what follows.
 pub(crate) fn reset_peak() {
@@ -21,7 +26,7 @@ pub(crate) fn peak_mb() -> f64 {
 }
 
 /// CPU time used so far, in clock ticks, by this process, by all `postgres` processes and by
-/// RabbitMQ (`beam.smp`).
+/// RabbitMQ (`beam.smp`), each with its reaped children.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct CpuTicks {
     pub(crate) consumer: u64,
@@ -64,11 +69,11 @@ impl CpuTicks {
             (now.saturating_sub(then) as f64) / TICKS_PER_SECOND * 1000.0 * 1000.0
                 / messages.max(1) as f64
         };
-        CpuShare {
-            consumer: ms(self.consumer, earlier.consumer),
-            postgres: ms(self.postgres, earlier.postgres),
-            broker: ms(self.broker, earlier.broker),
-        }
+        CpuShare::new(
+            ms(self.consumer, earlier.consumer),
+            ms(self.postgres, earlier.postgres),
+            ms(self.broker, earlier.broker),
+        )
     }
 }
 
@@ -81,19 +86,41 @@ pub struct CpuShare {
     pub postgres: f64,
     /// RabbitMQ.
     pub broker: f64,
+    /// The three together.
+    pub total: f64,
 }
 
-/// `comm` and utime + stime of one process.
+impl CpuShare {
+    /// The shares and their total.
+    pub fn new(consumer: f64, postgres: f64, broker: f64) -> Self {
+        Self {
+            consumer,
+            postgres,
+            broker,
+            total: consumer + postgres + broker,
+        }
+    }
+}
+
+/// Cores of this machine, for how busy a run kept them.
+pub(crate) fn cores() -> f64 {
+    std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64)
+}
+
+/// `comm` and utime + stime + cutime + cstime of one process.
 fn stat(pid: u32) -> Option<(String, u64)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let open = text.find('(')?;
     let close = text.rfind(')')?;
     let comm = text.get(open + 1..close)?.to_owned();
-    // Fields after the command: state is field 3; utime and stime are fields 14 and 15.
+    // Fields after the command: state is field 3; utime, stime, cutime and cstime are fields
+    // 14 to 17 (the children's are signed in the kernel's format).
     let rest: Vec<&str> = text.get(close + 2..)?.split_whitespace().collect();
-    let utime: u64 = rest.get(11)?.parse().ok()?;
-    let stime: u64 = rest.get(12)?.parse().ok()?;
-    Some((comm, utime + stime))
+    let field = |i: usize| -> Option<u64> {
+        let v: i64 = rest.get(i)?.parse().ok()?;
+        Some(u64::try_from(v).unwrap_or(0))
+    };
+    Some((comm, field(11)? + field(12)? + field(13)? + field(14)?))
 }
 
 #[cfg(test)]
@@ -112,5 +139,22 @@ mod tests {
         std::hint::black_box(x);
         let after = CpuTicks::now();
         assert!(after.consumer >= before.consumer);
+    }
+
+    #[test]
+    fn a_child_that_exits_still_counts_in_its_parent() {
+        let before = stat(std::process::id()).expect("own stat").1;
+        // About half a second of shell arithmetic in a child, which then exits and is reaped.
+        let status = std::process::Command::new("sh")
+            .args(["-c", "i=0; while [ $i -lt 400000 ]; do i=$((i+1)); done"])
+            .status()
+            .expect("sh runs");
+        assert!(status.success());
+        let after = stat(std::process::id()).expect("own stat").1;
+        // At least 100 ms of the child's CPU time, in 10 ms ticks.
+        assert!(
+            after.saturating_sub(before) >= 10,
+            "the exited child's CPU time is missing: {before} -> {after} ticks"
+        );
     }
 }
