@@ -90,6 +90,9 @@ pub struct BenchOptions {
     pub schema: SchemaName,
     /// Prefix of the queues used (deleted after every run).
     pub queue_prefix: String,
+    /// Quorum queues (work, retry tiers and parking lot) for every mode instead of classic
+    /// ones, with the library's default delivery limit.
+    pub quorum: bool,
 }
 
 /// One measured mode.
@@ -199,12 +202,13 @@ pub async fn run(
     let library = library_config(options);
     let mut report = BenchReport {
         setup: format!(
-            "{} messages of {} bytes, {:.0}% duplicates, {:.1}% failing; rabbit-inbox batch {} x {} lanes, prefetch {}; \
-             ceiling prefetch {}, ack every {}; median of {} run(s)",
+            "{} messages of {} bytes, {:.0}% duplicates, {:.1}% failing; {} queues; rabbit-inbox batch {} x {} lanes, \
+             prefetch {}; ceiling prefetch {}, ack every {}; median of {} run(s)",
             options.messages,
             options.payload_size,
             options.duplicate_share * 100.0,
             options.failure_share * 100.0,
+            if options.quorum { "quorum" } else { "classic" },
             library.batch_size,
             library.lanes,
             library.prefetch,
@@ -350,6 +354,9 @@ fn library_config(options: &BenchOptions) -> ConsumerConfig {
     if let Some(p) = options.prefetch {
         config.prefetch = p;
     }
+    if options.quorum {
+        config.use_quorum_queues(None);
+    }
     config
 }
 
@@ -358,8 +365,13 @@ async fn fresh_topology(
     options: &BenchOptions,
     slug: &str,
 ) -> Result<Topology, BenchError> {
-    let topology = Topology::new(format!("{}-{slug}", options.queue_prefix));
-    let retry = library_config(options).retry;
+    // Classic or quorum as the consumer's own configuration declares them.
+    let mut config = library_config(options);
+    config.topology = Topology::new(format!("{}-{slug}", options.queue_prefix));
+    if options.quorum {
+        config.use_quorum_queues(None);
+    }
+    let (topology, retry) = (config.topology, config.retry);
     broker.delete(&topology, &retry).await?;
     broker.declare(&topology, &retry).await?;
     Ok(topology)

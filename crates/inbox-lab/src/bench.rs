@@ -67,6 +67,10 @@ pub(crate) struct BenchArgs {
     /// Prefix of the benchmark's queue names, so runs side by side on one broker do not meet.
     #[arg(long, default_value = "inbox-bench")]
     queue_prefix: String,
+    /// Quorum queues (work, retry tiers, parking lot) for every mode, as on a cluster; with
+    /// every node's URL in --amqp-url the run measures the cluster.
+    #[arg(long)]
+    quorum: bool,
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
@@ -133,6 +137,7 @@ pub(crate) async fn run(servers: &Servers, args: BenchArgs) -> anyhow::Result<Ex
         modes,
         schema: SchemaName::new(args.schema)?,
         queue_prefix: args.queue_prefix,
+        quorum: args.quorum,
     };
     let report = inbox_bench::run(&servers.amqp_url, &pool, &options, |line| {
         eprintln!("{line}")
