@@ -27,12 +27,18 @@ pub(crate) fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("constant bounds are valid")
 }
 
+/// The first of a cluster's comma-separated URLs: a plain lapin client, as the baselines are,
+/// connects to one node.
+pub(crate) fn first_url(amqp_url: &str) -> &str {
+    amqp_url.split(',').next().unwrap_or(amqp_url).trim()
+}
+
 async fn open(
     amqp_url: &str,
     queue: &str,
     prefetch: u16,
 ) -> Result<(Connection, lapin::Channel, lapin::Consumer), BenchError> {
-    let conn = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
+    let conn = Connection::connect(first_url(amqp_url), ConnectionProperties::default()).await?;
     let channel = conn.create_channel().await?;
     channel
         .basic_qos(prefetch, BasicQosOptions::default())

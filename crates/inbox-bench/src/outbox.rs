@@ -157,7 +157,11 @@ async fn receive(
     queue: &str,
     arrivals: Arrivals,
 ) -> Result<(Connection, tokio::task::JoinHandle<()>), BenchError> {
-    let conn = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
+    let conn = Connection::connect(
+        crate::baseline::first_url(amqp_url),
+        ConnectionProperties::default(),
+    )
+    .await?;
     let channel = conn.create_channel().await?;
     channel.basic_qos(2000, BasicQosOptions::default()).await?;
     let mut consumer = channel
