@@ -354,9 +354,6 @@ fn library_config(options: &BenchOptions) -> ConsumerConfig {
     if let Some(p) = options.prefetch {
         config.prefetch = p;
     }
-    if options.quorum {
-        config.use_quorum_queues(None);
-    }
     config
 }
 
@@ -365,7 +362,8 @@ async fn fresh_topology(
     options: &BenchOptions,
     slug: &str,
 ) -> Result<Topology, BenchError> {
-    // Classic or quorum as the consumer's own configuration declares them.
+    // Classic or quorum as the consumer's own configuration declares them; every run takes its
+    // topology from here.
     let mut config = library_config(options);
     config.topology = Topology::new(format!("{}-{slug}", options.queue_prefix));
     if options.quorum {

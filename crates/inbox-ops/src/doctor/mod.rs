@@ -291,20 +291,20 @@ impl Default for DoctorRequest {
 }
 
 impl DoctorRequest {
-    /// The checks of the consumer configured by `config`, on the broker at `amqp_url`.
+    /// The checks of the consumer configured by `config`, on the broker at `amqp_url`. The
+    /// retention policy and the recovery grace are not part of a consumer's configuration:
+    /// they keep their defaults unless set.
     pub fn for_consumer(config: &ConsumerConfig, amqp_url: impl Into<String>) -> Self {
         Self {
             consumer: Some(config.consumer_name.clone()),
             amqp_url: Some(amqp_url.into()),
-            management_url: None,
             topology: Some(config.topology.clone()),
             retry: config.retry.clone(),
             prefetch: config.prefetch,
-            retention: None,
             payload_storage: config.payload_storage,
             payload_storage_by_type: config.privacy.storage.clone(),
             payload_encrypted: config.privacy.encryption.is_some(),
-            recovery_grace: Duration::from_secs(60),
+            ..Self::default()
         }
     }
 
