@@ -8,6 +8,9 @@
 //! - the same with NOTIFY off and the relay polling every 100 ms;
 //! - both again at a low rate (one message per transaction, 50 per second), where the relay
 //!   is idle between commits and the latency is the wake-up's;
+//! - the writers alone, no relay running (their commit rate: what the end-to-end rate can at
+//!   most be), then a relay draining what they left: its rate, and the CPU per 1,000 messages
+//!   of this process (the relay and the receiving consumer), PostgreSQL and RabbitMQ;
 //!
 //! each received by one consumer, which records when every message arrived: throughput, and
 //! handoff-to-delivery latency (from the publish call, or from the enqueuing commit). Then
@@ -34,7 +37,11 @@ use rabbit_inbox::{
 use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgPool};
 
-use crate::{BenchError, baseline::histogram};
+use crate::{
+    BenchError,
+    baseline::histogram,
+    procfs::{CpuShare, CpuTicks},
+};
 
 /// What the outbox benchmark measures.
 #[derive(Clone, Debug)]
@@ -70,6 +77,9 @@ pub struct OutboxMode {
     pub duplicates: u64,
     /// Messages that did not arrive.
     pub missing: u64,
+    /// CPU milliseconds per 1,000 messages (the drain only: nothing else runs meanwhile).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_ms_per_1k: Option<CpuShare>,
 }
 
 /// The whole report.
@@ -81,7 +91,8 @@ pub struct OutboxReport {
     pub writers: usize,
     /// Messages per transaction.
     pub per_transaction: usize,
-    /// Medians per mode, the baseline first.
+    /// Medians per mode, the baseline first; "writers alone, no relay" is the commit rate of
+    /// the NOTIFY mode's writers with no relay running.
     pub modes: Vec<OutboxMode>,
     /// Commits per second of one-message outbox transactions, NOTIFY on.
     pub commits_per_s_notify: f64,
@@ -122,7 +133,7 @@ impl fmt::Display for OutboxReport {
             };
             writeln!(
                 f,
-                "{:<32} {:>10} {:>9} {:>9.1} {:>9.1} {:>6}{}",
+                "{:<32} {:>10} {:>9} {:>9.1} {:>9.1} {:>6}{}{}",
                 m.mode,
                 rate,
                 ratio,
@@ -133,7 +144,35 @@ impl fmt::Display for OutboxReport {
                     format!("  MISSING {}", m.missing)
                 } else {
                     String::new()
-                }
+                },
+                m.cpu_ms_per_1k.map_or(String::new(), |c| format!(
+                    "  cpu ms/1k: this process {:.0} / pg {:.0} / mq {:.0} = {:.0}",
+                    c.consumer, c.postgres, c.broker, c.total
+                ))
+            )?;
+        }
+        let find = |name: &str| self.modes.iter().find(|m| m.mode == name);
+        let relayed = find(NOTIFY_MODE).map_or(0.0, |m| m.msgs_per_s);
+        let writers = find(WRITERS_MODE);
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        writeln!(
+            f,
+            "end to end with NOTIFY: {:.2}x the plain publisher, {:.2}x the writers alone",
+            ratio(relayed, base),
+            ratio(relayed, writers.map_or(0.0, |w| w.msgs_per_s)),
+        )?;
+        // What writers and relay at once can reach when the machine's cores are the limit.
+        let both = writers
+            .and_then(|w| w.cpu_ms_per_1k)
+            .zip(find(DRAIN_MODE).and_then(|m| m.cpu_ms_per_1k))
+            .map(|(w, r)| w.total + r.total);
+        if let Some(both) = both.filter(|b| *b > 0.0) {
+            let allowed = crate::procfs::cores() * 1000.0 * 1000.0 / both;
+            writeln!(
+                f,
+                "writers + relay: {both:.0} cpu ms per 1k messages; {:.0} cores allow {allowed:.0} msgs/s; end to end {:.2}x of that",
+                crate::procfs::cores(),
+                ratio(relayed, allowed)
             )?;
         }
         let ratio = if self.commits_per_s_quiet > 0.0 {
@@ -237,6 +276,7 @@ fn figures(mode: &str, handoffs: &HashMap<String, Instant>, arrivals: &Arrivals)
         p99_ms: h.value_at_quantile(0.99) as f64 / 1000.0,
         duplicates,
         missing,
+        cpu_ms_per_1k: None,
     }
 }
 
@@ -339,6 +379,13 @@ enum Pace {
     Idle,
 }
 
+/// The end-to-end mode whose rate the goals compare.
+const NOTIFY_MODE: &str = "outbox, relay woken by NOTIFY";
+/// A relay draining what the writers alone committed.
+const DRAIN_MODE: &str = "relay draining their rows";
+/// The writers of that mode with no relay running.
+const WRITERS_MODE: &str = "writers alone, no relay";
+
 /// Messages of the low-rate run, one per transaction, 20 ms apart.
 const IDLE_MESSAGES: usize = 100;
 
@@ -387,7 +434,7 @@ async fn through_outbox(
     let _ = stop.send(());
     let _ = running.await;
     let mode = match (pace, notify) {
-        (Pace::Flat, true) => "outbox, relay woken by NOTIFY",
+        (Pace::Flat, true) => NOTIFY_MODE,
         (Pace::Flat, false) => "outbox, NOTIFY off, poll 100 ms",
         (Pace::Idle, true) => "outbox at 50 tx/s, NOTIFY",
         (Pace::Idle, false) => "outbox at 50 tx/s, poll 100 ms",
@@ -398,6 +445,52 @@ async fn through_outbox(
         m.msgs_per_s = 0.0;
     }
     Ok(m)
+}
+
+/// The writers with no relay running (their rate and CPU), then a relay draining their rows:
+/// its rate (first commit to last arrival would mix the two, so from the relay's start) and
+/// its CPU. Together the two CPU figures say how fast writers and relay can go at once on this
+/// machine's cores.
+async fn writers_then_drain(
+    amqp_url: &str,
+    pool: &PgPool,
+    o: &OutboxOptions,
+    run: usize,
+    arrivals: &Arrivals,
+) -> Result<(OutboxMode, OutboxMode), BenchError> {
+    let cpu_before = CpuTicks::now();
+    let started = Instant::now();
+    let committed = write(pool, o, &format!("backlog-{run}"), true, o.per_transaction).await?;
+    let writers = OutboxMode {
+        mode: WRITERS_MODE.to_owned(),
+        msgs_per_s: committed.len() as f64 / started.elapsed().as_secs_f64(),
+        cpu_ms_per_1k: Some(CpuTicks::now().per_thousand(cpu_before, committed.len())),
+        ..OutboxMode::default()
+    };
+    let mut config = RelayConfig::new(o.schema.clone());
+    config.retention = None;
+    let relay = Relay::new(amqp_url, pool.clone(), config)?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let cpu_before = CpuTicks::now();
+    let relay_started = Instant::now();
+    let handoffs: HashMap<String, Instant> = committed
+        .keys()
+        .map(|id| (id.clone(), relay_started))
+        .collect();
+    let running = tokio::spawn(relay.run(async move {
+        let _ = stopped.await;
+    }));
+    await_arrivals(arrivals, handoffs.len()).await?;
+    let mut drain = figures(DRAIN_MODE, &handoffs, arrivals);
+    // Read before the relay stops; await_arrivals' trailing wait is idle time.
+    let cpu = CpuTicks::now().per_thousand(cpu_before, handoffs.len());
+    let _ = stop.send(());
+    let _ = running.await;
+    drain.cpu_ms_per_1k = Some(cpu);
+    // The latency from the relay's start says nothing about the relay; the rate does.
+    drain.p50_ms = 0.0;
+    drain.p99_ms = 0.0;
+    Ok((writers, drain))
 }
 
 /// Commits per second of one-message transactions (no relay running).
@@ -436,6 +529,17 @@ fn median_mode(runs: Vec<OutboxMode>) -> OutboxMode {
         p99_ms: median(runs.iter().map(|m| m.p99_ms).collect()),
         duplicates: runs.iter().map(|m| m.duplicates).sum(),
         missing: runs.iter().map(|m| m.missing).sum(),
+        cpu_ms_per_1k: runs
+            .iter()
+            .map(|m| m.cpu_ms_per_1k)
+            .collect::<Option<Vec<_>>>()
+            .map(|cpu| {
+                CpuShare::new(
+                    median(cpu.iter().map(|c| c.consumer).collect()),
+                    median(cpu.iter().map(|c| c.postgres).collect()),
+                    median(cpu.iter().map(|c| c.broker).collect()),
+                )
+            }),
     }
 }
 
@@ -460,8 +564,10 @@ pub async fn run(
     broker.declare(&topology, &retry).await?;
     let arrivals: Arrivals = Arc::default();
     let (receiver, receiving) = receive(amqp_url, &o.queue, arrivals.clone()).await?;
-    let mut runs: Vec<Vec<OutboxMode>> = vec![Vec::new(); 5];
+    let mut runs: Vec<Vec<OutboxMode>> = vec![Vec::new(); 7];
     let (mut with_notify, mut without) = (Vec::new(), Vec::new());
+    // The drain (mode 6) is measured with the writers alone (mode 5).
+    let mut drained = None;
     for run in 0..o.runs.max(1) {
         for (mode, results) in runs.iter_mut().enumerate() {
             arrivals
@@ -476,6 +582,16 @@ pub async fn run(
             };
             let m = match mode {
                 0 => plain(amqp_url, o, run, &arrivals).await?,
+                5 => {
+                    let (writers, drain) =
+                        writers_then_drain(amqp_url, pool, o, run, &arrivals).await?;
+                    drained = Some(drain);
+                    writers
+                }
+                6 => match drained.take() {
+                    Some(drain) => drain,
+                    None => continue,
+                },
                 _ => through_outbox(amqp_url, pool, o, run, notify, pace, &arrivals).await?,
             };
             progress(format!(

@@ -23,16 +23,20 @@ pub(crate) struct RelayArgs {
     /// Lease owner and connection name [default: relay-<pid>-<random>]
     #[arg(long)]
     name: Option<String>,
-    /// Rows claimed and published per round.
+    /// Rows claimed and published per batch.
     #[arg(long, default_value_t = 256)]
     batch_size: usize,
+    /// Batches published and not yet settled, at most: how far claiming runs ahead of the
+    /// confirms (1: claim, publish, await, mark, one batch at a time).
+    #[arg(long, default_value_t = 4)]
+    window: usize,
     /// Lease per claim, seconds: other relays keep off the claimed rows this long.
     #[arg(long, default_value_t = 30)]
     lease_secs: u64,
-    /// Longest wait for a round's confirms, seconds (at most half the lease).
+    /// Longest wait for a batch's confirms from its claim, seconds (at most half the lease).
     #[arg(long, default_value_t = 10)]
     confirm_timeout_secs: u64,
-    /// Longest sleep between rounds without a NOTIFY, milliseconds.
+    /// Longest sleep between claims without a NOTIFY, milliseconds.
     #[arg(long, default_value_t = 1000)]
     poll_interval_ms: u64,
     /// Do not LISTEN: poll only.
@@ -58,6 +62,7 @@ impl RelayArgs {
             c.name = name.clone();
         }
         c.batch_size = self.batch_size;
+        c.window = self.window;
         c.lease = Duration::from_secs(self.lease_secs);
         c.confirm_timeout = Duration::from_secs(self.confirm_timeout_secs);
         c.poll_interval = Duration::from_millis(self.poll_interval_ms);

@@ -3,14 +3,15 @@
 //! mandatory publish it could not route only after returning it, and lapin folds the return into
 //! the confirm (`Confirmation::Ack(Some(returned))`).
 
-use std::{collections::HashSet, time::Duration};
+use std::collections::HashSet;
 
 use futures::future::join_all;
 use lapin::{
-    Channel, Confirmation, Connection, ExchangeKind,
+    Channel, Confirmation, Connection, ExchangeKind, PublisherConfirm,
     options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions},
     types::FieldTable,
 };
+use tokio::time::Instant;
 
 use super::{connect, headers::short, publish::OutgoingMessage};
 use crate::error::BrokerError;
@@ -39,6 +40,72 @@ pub(crate) enum PublishResult {
     /// No answer: the connection failed or the confirm did not come in time. The message may or
     /// may not have reached the broker; not the message's fault.
     Unconfirmed(String),
+}
+
+/// A batch sent by [`ConfirmedLink::send`] whose confirms may still be on their way. The
+/// confirms do not borrow the link: they resolve while the link publishes the next batch.
+pub(crate) struct Outstanding {
+    /// Results known at sending (missing exchange, unpublishable, publish failed).
+    results: Vec<Option<PublishResult>>,
+    /// The confirms owed, by index into `results`.
+    confirms: Vec<(usize, PublisherConfirm)>,
+}
+
+impl Outstanding {
+    /// `n` publishes that failed before any confirm was owed.
+    pub(crate) fn unconfirmed(n: usize, why: &str) -> Self {
+        Self {
+            results: (0..n)
+                .map(|_| Some(PublishResult::Unconfirmed(why.to_owned())))
+                .collect(),
+            confirms: Vec::new(),
+        }
+    }
+
+    /// Waits for the confirms until `deadline`. One result per item, in order, and whether a
+    /// confirm did not come in time: a channel that does not confirm in time is not to be
+    /// trusted with the next batch.
+    pub(crate) async fn confirmed(self, deadline: Instant) -> (Vec<PublishResult>, bool) {
+        let Outstanding {
+            mut results,
+            confirms,
+        } = self;
+        let (indexes, futures): (Vec<usize>, Vec<_>) = confirms.into_iter().unzip();
+        let timed_out = match tokio::time::timeout_at(deadline, join_all(futures)).await {
+            Ok(confirmed) => {
+                for (i, confirmation) in indexes.into_iter().zip(confirmed) {
+                    results[i] = Some(match confirmation {
+                        Ok(Confirmation::Ack(None)) => PublishResult::Confirmed,
+                        Ok(
+                            Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)),
+                        ) => PublishResult::Returned(format!(
+                            "{} {}",
+                            returned.reply_code, returned.reply_text
+                        )),
+                        Ok(Confirmation::Nack(None)) => PublishResult::Nacked,
+                        Ok(Confirmation::NotRequested) => {
+                            PublishResult::Unconfirmed("confirms not enabled".into())
+                        }
+                        Err(e) => PublishResult::Unconfirmed(e.to_string()),
+                    });
+                }
+                false
+            }
+            Err(_) => {
+                for i in indexes {
+                    results[i] = Some(PublishResult::Unconfirmed(
+                        "no confirm within the time allowed".into(),
+                    ));
+                }
+                true
+            }
+        };
+        let results = results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| PublishResult::Unconfirmed("not published".into())))
+            .collect();
+        (results, timed_out)
+    }
 }
 
 /// A connection and confirm channel, opened on first use and reopened after a failure.
@@ -100,20 +167,18 @@ impl ConfirmedLink {
         self.link = None;
     }
 
-    /// Publishes `items` in order (mandatory, persistent as built) and waits at most `timeout`
-    /// for all confirms. One result per item, in order.
-    pub(crate) async fn publish_all(
-        &mut self,
-        items: &[Publication],
-        timeout: Duration,
-    ) -> Vec<PublishResult> {
-        let unconfirmed = |e: &dyn std::fmt::Display| {
-            items
+    /// Publishes `items` in order (mandatory, persistent as built) without waiting for the
+    /// confirms: they are awaited through the returned [`Outstanding`], so the next batch can be
+    /// claimed and published meanwhile. A publish that fails outright drops the link (the next
+    /// use reconnects); what follows it in `items` is not published.
+    pub(crate) async fn send(&mut self, items: &[Publication]) -> Outstanding {
+        let unconfirmed = |e: &dyn std::fmt::Display| Outstanding {
+            results: items
                 .iter()
-                .map(|_| PublishResult::Unconfirmed(e.to_string()))
-                .collect::<Vec<_>>()
+                .map(|_| Some(PublishResult::Unconfirmed(e.to_string())))
+                .collect(),
+            confirms: Vec::new(),
         };
-        let mut results: Vec<Option<PublishResult>> = vec![None; items.len()];
         let missing = match self.check_exchanges(items).await {
             Ok(missing) => missing,
             Err(e) => {
@@ -125,6 +190,7 @@ impl ConfirmedLink {
             Ok(link) => link,
             Err(e) => return unconfirmed(&e),
         };
+        let mut results: Vec<Option<PublishResult>> = vec![None; items.len()];
         let mut confirms = Vec::with_capacity(items.len());
         let mut broken = None;
         for (i, item) in items.iter().enumerate() {
@@ -179,43 +245,10 @@ impl ConfirmedLink {
                 }
             }
         }
-        let (indexes, futures): (Vec<usize>, Vec<_>) = confirms.into_iter().unzip();
-        match tokio::time::timeout(timeout, join_all(futures)).await {
-            Ok(confirmed) => {
-                for (i, confirmation) in indexes.into_iter().zip(confirmed) {
-                    results[i] = Some(match confirmation {
-                        Ok(Confirmation::Ack(None)) => PublishResult::Confirmed,
-                        Ok(
-                            Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)),
-                        ) => PublishResult::Returned(format!(
-                            "{} {}",
-                            returned.reply_code, returned.reply_text
-                        )),
-                        Ok(Confirmation::Nack(None)) => PublishResult::Nacked,
-                        Ok(Confirmation::NotRequested) => {
-                            PublishResult::Unconfirmed("confirms not enabled".into())
-                        }
-                        Err(e) => PublishResult::Unconfirmed(e.to_string()),
-                    });
-                }
-            }
-            Err(_) => {
-                for i in indexes {
-                    results[i] = Some(PublishResult::Unconfirmed(format!(
-                        "no confirm within {timeout:?}"
-                    )));
-                }
-                // A channel that does not confirm in time is not trusted with the next batch.
-                self.link = None;
-            }
-        }
         if broken.is_some() {
             self.link = None;
         }
-        results
-            .into_iter()
-            .map(|r| r.unwrap_or_else(|| PublishResult::Unconfirmed("not published".into())))
-            .collect()
+        Outstanding { results, confirms }
     }
 
     /// The exchanges of `items` that do not exist, checked passively once per connection. A

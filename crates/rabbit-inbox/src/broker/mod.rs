@@ -36,7 +36,7 @@ mod topology;
 
 pub use addresses::AmqpAddresses;
 pub(crate) use addresses::check_addresses;
-pub(crate) use confirmed::{ConfirmedLink, Publication, PublishResult};
+pub(crate) use confirmed::{ConfirmedLink, Outstanding, Publication, PublishResult};
 pub use headers::{convert_headers, headers_to_json};
 pub use parking::{ParkedMessage, ParkingLot, QueueDepth, Republished};
 pub(crate) use publish::check_publishable;

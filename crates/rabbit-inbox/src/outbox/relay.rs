@@ -2,20 +2,26 @@
 //! and settles each row under the claim's fencing token.
 //!
 //! ```text
-//! wait (NOTIFY hint | poll_interval) -> claim (FOR UPDATE SKIP LOCKED, lease, epoch + 1)
-//!   -> publish all, await confirms -> settle: SENT | charge (back-off, FAILED after max)
-//!                                             | release (no charge) ; all WHERE epoch = claim's
+//! claiming half:  wait for a place in the window -> claim a batch (FOR UPDATE SKIP LOCKED,
+//!                 lease, epoch + 1) -> publish it -> hand it over -> claim the next one
+//!                 (at once when the batch was full, else on a NOTIFY hint | poll_interval)
+//! settling half:  await the batch's confirms -> settle: SENT | charge (back-off, FAILED after
+//!                 max) | release (no charge) ; all WHERE epoch = claim's -> free its place
 //! ```
-//! Several relays (processes, or a consumer's in-process relay beside `inboxctl relay`) may run
-//! on one outbox: a row is claimed by one of them at a time. A relay that stalls past its lease
-//! loses the row to another one and its late marks change nothing; the row may then be
-//! published twice, with the same message id, which the downstream inbox dedups.
+//! The halves overlap: while one batch's confirms are on their way and its marks are written,
+//! the next batches are claimed and published, at most `window` batches unsettled at a time.
+//! Nothing is marked SENT before its own confirm, and the next row of an ordering key is only
+//! claimable once the row before it is SENT, so pipelining keeps each key's order.
+//! Several relays (processes, or one beside `inboxctl relay`) may run on one outbox: a row is
+//! claimed by one of them at a time. A relay that stalls past its lease loses the row to another
+//! one and its late marks change nothing; the row may then be published twice, with the same
+//! message id, which the downstream inbox dedups.
 
 use std::{
     future::Future,
     sync::{
         Arc, Mutex, PoisonError,
-        atomic::{AtomicU64, Ordering::Relaxed},
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
     },
     time::Duration,
 };
@@ -23,7 +29,10 @@ use std::{
 use futures::FutureExt;
 use hdrhistogram::Histogram;
 use sqlx::PgPool;
-use tokio::time::Instant;
+use tokio::{
+    sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc},
+    time::Instant,
+};
 
 use super::{
     Headers,
@@ -33,7 +42,7 @@ use super::{
 };
 use crate::{
     backoff::Backoff,
-    broker::{ConfirmedLink, Publication, PublishResult},
+    broker::{ConfirmedLink, Outstanding, Publication, PublishResult},
     error::{ConfigError, StoreError},
     schema::SchemaName,
     telemetry::metrics as m,
@@ -46,16 +55,20 @@ pub struct RelayConfig {
     pub schema: SchemaName,
     /// Lease owner and broker connection name; unique per relay (default: random).
     pub name: String,
-    /// Rows claimed and published per round.
+    /// Rows claimed and published per batch.
     pub batch_size: usize,
-    /// How long a claim keeps other relays off its rows. Must outlast a round's publishing
-    /// (at most `confirm_timeout`) by a good margin, or a slow round ends in double publishes.
+    /// Batches published and not yet settled, at most: how far claiming and publishing may run
+    /// ahead of the confirms. 1 is strict rounds (claim, publish, await, mark).
+    pub window: usize,
+    /// How long a claim keeps other relays off its rows. Must outlast a batch's publishing
+    /// (at most `confirm_timeout`) by a good margin, or a slow batch ends in double publishes.
     pub lease: Duration,
-    /// Longest wait for a round's confirms; unconfirmed rows are released (not charged).
+    /// Longest wait for a batch's confirms, counted from its claim; unconfirmed rows are
+    /// released (not charged).
     pub confirm_timeout: Duration,
     /// LISTEN for the enqueuers' NOTIFY to publish within milliseconds of a commit.
     pub listen: bool,
-    /// Longest sleep between rounds without a wake-up: the latency bound when LISTEN is off,
+    /// Longest sleep between claims without a wake-up: the latency bound when LISTEN is off,
     /// notifications are lost, or rows wait for their retry time.
     pub poll_interval: Duration,
     /// Failed publishes (returned, nacked, exchange missing) before a row is FAILED.
@@ -68,7 +81,8 @@ pub struct RelayConfig {
     pub retention: Option<Duration>,
     /// How often the relay refreshes its gauges and runs the retention.
     pub maintenance_interval: Duration,
-    /// First delay after the database or the broker failed a round; doubles up to the max.
+    /// First delay after the database or the broker failed a claim or a batch; doubles up to
+    /// the max.
     pub reconnect_initial_delay: Duration,
     /// Longest such delay.
     pub reconnect_max_delay: Duration,
@@ -82,6 +96,7 @@ impl RelayConfig {
             schema,
             name: format!("relay-{}-{}", std::process::id(), &id[..8]),
             batch_size: 256,
+            window: 4,
             lease: Duration::from_secs(30),
             confirm_timeout: Duration::from_secs(10),
             listen: true,
@@ -110,6 +125,9 @@ impl RelayConfig {
         if !(1..=10_000).contains(&self.batch_size) {
             return invalid("relay.batch_size", "must be 1 to 10000");
         }
+        if !(1..=64).contains(&self.window) {
+            return invalid("relay.window", "must be 1 to 64 batches");
+        }
         if self.confirm_timeout.is_zero()
             || self
                 .confirm_timeout
@@ -118,7 +136,7 @@ impl RelayConfig {
         {
             return invalid(
                 "relay.lease",
-                "must be at least twice confirm_timeout (a round must end well within its lease)",
+                "must be at least twice confirm_timeout (a batch must be settled well within its lease)",
             );
         }
         if self.poll_interval.is_zero() || self.maintenance_interval.is_zero() {
@@ -149,7 +167,7 @@ pub enum RelayError {
 /// Live counters of one relay. Clone the `Arc` from [`Relay::stats`].
 #[derive(Debug)]
 pub struct RelayStats {
-    rounds: AtomicU64,
+    batches: AtomicU64,
     claimed: AtomicU64,
     published: AtomicU64,
     returned: AtomicU64,
@@ -165,7 +183,7 @@ pub struct RelayStats {
 impl Default for RelayStats {
     fn default() -> Self {
         Self {
-            rounds: AtomicU64::new(0),
+            batches: AtomicU64::new(0),
             claimed: AtomicU64::new(0),
             published: AtomicU64::new(0),
             returned: AtomicU64::new(0),
@@ -182,8 +200,8 @@ impl Default for RelayStats {
 /// A copy of a relay's counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RelayStatsSnapshot {
-    /// Rounds that claimed at least one row.
-    pub rounds: u64,
+    /// Batches claimed (each of at least one row).
+    pub batches: u64,
     /// Rows claimed.
     pub claimed: u64,
     /// Rows confirmed and marked SENT by this relay.
@@ -218,7 +236,7 @@ impl RelayStats {
                 (h.value_at_quantile(0.5), h.value_at_quantile(0.99))
             });
         RelayStatsSnapshot {
-            rounds: self.rounds.load(Relaxed),
+            batches: self.batches.load(Relaxed),
             claimed: self.claimed.load(Relaxed),
             published: self.published.load(Relaxed),
             returned: self.returned.load(Relaxed),
@@ -242,11 +260,11 @@ pub struct RelayFaults {
 
 #[cfg(feature = "fault-injection")]
 impl RelayFaults {
-    /// The next `rounds` rounds publish and get their confirms, then leave the rows unmarked,
-    /// as a relay dying between the confirm and the mark would: after the lease the rows are
-    /// published again, with the same ids.
-    pub fn skip_marks(&self, rounds: u64) {
-        self.skip_marks.fetch_add(rounds, Relaxed);
+    /// The next `batches` batches are published and get their confirms, then leave the rows
+    /// unmarked, as a relay dying between the confirm and the mark would: after the lease the
+    /// rows are published again, with the same ids.
+    pub fn skip_marks(&self, batches: u64) {
+        self.skip_marks.fetch_add(batches, Relaxed);
     }
 
     fn take_skip(&self) -> bool {
@@ -276,14 +294,32 @@ impl std::fmt::Debug for Relay {
     }
 }
 
-/// What one round did.
+/// A claimed batch on its way: published, its confirms outstanding.
+struct InFlight {
+    rows: Vec<ClaimedRow>,
+    outstanding: Outstanding,
+    claimed_at: Instant,
+    /// Its place in the window, given back once the batch is settled.
+    place: OwnedSemaphorePermit,
+}
+
+/// What the claiming half got.
+enum Claimed {
+    Batch(InFlight),
+    Nothing,
+    /// The broker cannot be reached: nothing was claimed.
+    BrokerDown(String),
+}
+
+/// What the settling half tells the claiming half.
 #[derive(Default)]
-struct Round {
-    claimed: usize,
+struct Feedback {
     /// An ordered row was marked SENT: the next row of its key can be claimed now.
-    ordered_sent: bool,
-    /// The broker could not be reached, or every publish of the round went unconfirmed.
-    outage: Option<String>,
+    claimable: Notify,
+    /// Every publish of a batch went unconfirmed: the broker is unavailable, back off.
+    outage: Mutex<Option<String>>,
+    /// A confirm did not come in time: the link is not trusted with the next batch.
+    distrust_link: AtomicBool,
 }
 
 impl Relay {
@@ -320,11 +356,9 @@ impl Relay {
         self.faults.clone()
     }
 
-    /// Publishes until `shutdown` completes; the round in progress finishes first. Database and
-    /// broker outages are ridden out with back-off.
+    /// Publishes until `shutdown` completes; the batches already published are settled first.
+    /// Database and broker outages are ridden out with back-off.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), RelayError> {
-        let shutdown = shutdown.fuse();
-        let mut shutdown = std::pin::pin!(shutdown);
         let c = &self.config;
         let backoff_bounds = (c.reconnect_initial_delay, c.reconnect_max_delay);
         let wakeups = if c.listen {
@@ -332,18 +366,84 @@ impl Relay {
         } else {
             Wakeups::polling()
         };
-        let backoff = Backoff::new(backoff_bounds.0, backoff_bounds.1);
         let mut link = ConfirmedLink::new(&self.amqp_url, &c.name);
+        let feedback = Feedback::default();
+        let (hand_over, settling) = mpsc::unbounded_channel();
+        tracing::info!(relay = %c.name, schema = %c.schema, window = c.window, "relaying the outbox");
+        tokio::join!(
+            self.claim_loop(shutdown, &wakeups, &mut link, hand_over, &feedback),
+            self.settle_loop(settling, &feedback),
+        );
+        // Only now: the settling half needed the connection for the last confirms.
+        link.close().await;
+        Ok(())
+    }
+
+    /// The claiming half: claims and publishes batches while the window has room; stops at
+    /// `shutdown`, dropping `hand_over` so the settling half drains and ends.
+    async fn claim_loop(
+        &self,
+        shutdown: impl Future<Output = ()>,
+        wakeups: &Wakeups,
+        link: &mut ConfirmedLink,
+        hand_over: mpsc::UnboundedSender<InFlight>,
+        feedback: &Feedback,
+    ) {
+        let c = &self.config;
+        let shutdown = shutdown.fuse();
+        let mut shutdown = std::pin::pin!(shutdown);
+        let window = Arc::new(Semaphore::new(c.window));
+        let backoff = Backoff::new(c.reconnect_initial_delay, c.reconnect_max_delay);
         let mut maintained = None::<Instant>;
-        tracing::info!(relay = %c.name, schema = %c.schema, "relaying the outbox");
         loop {
-            if (&mut shutdown).now_or_never().is_some() {
-                break;
+            let place = tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                place = window.clone().acquire_owned() => match place {
+                    Ok(place) => place,
+                    Err(_) => break, // never closed
+                },
+            };
+            if feedback.distrust_link.swap(false, Relaxed) {
+                link.reset();
             }
-            match self.round(&mut link).await {
-                Ok(Round {
-                    outage: Some(why), ..
-                }) => {
+            let outage = feedback
+                .outage
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            let claimed = match outage {
+                Some(why) => Ok(Claimed::BrokerDown(why)),
+                None => self.claim_and_publish(link, place).await,
+            };
+            match claimed {
+                Ok(Claimed::Batch(batch)) => {
+                    backoff.succeeded();
+                    let full = batch.rows.len() == c.batch_size;
+                    if hand_over.send(batch).is_err() {
+                        break; // the settling half is gone: nothing could be marked
+                    }
+                    // Also under a steady backlog: the gauges and retention keep their pace.
+                    self.maintain_if_due(&mut maintained).await;
+                    if full {
+                        continue; // more is waiting
+                    }
+                    // The backlog is drained: before claiming again, let what is in flight be
+                    // settled. Under a steady stream of small commits the next claim then takes
+                    // all that arrived meanwhile, one batch instead of one per commit; at idle
+                    // nothing is in flight and a commit is claimed at once.
+                    let all = u32::try_from(c.window).unwrap_or(u32::MAX);
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => break,
+                        _ = window.acquire_many(all) => {}
+                    }
+                }
+                Ok(Claimed::Nothing) => {
+                    backoff.succeeded();
+                    self.maintain_if_due(&mut maintained).await;
+                }
+                Ok(Claimed::BrokerDown(why)) => {
                     // Rows were not claimed, or were released: wait before trying again. The
                     // gauges go on, so the outbox age alert sees the outage.
                     self.maintain_if_due(&mut maintained).await;
@@ -355,17 +455,9 @@ impl Relay {
                         () = tokio::time::sleep(delay) => continue,
                     }
                 }
-                Ok(round) => {
-                    backoff.succeeded();
-                    // Also under a steady backlog: the gauges and retention keep their pace.
-                    self.maintain_if_due(&mut maintained).await;
-                    if round.claimed == c.batch_size || round.ordered_sent {
-                        continue; // more is waiting, or claimable now
-                    }
-                }
                 Err(e) => {
                     let delay = backoff.failed();
-                    tracing::warn!(error = %e, retry_in = ?delay, relay = %c.name, "outbox round failed");
+                    tracing::warn!(error = %e, retry_in = ?delay, relay = %c.name, "outbox claim failed");
                     tokio::select! {
                         biased;
                         () = &mut shutdown => break,
@@ -376,93 +468,140 @@ impl Relay {
             tokio::select! {
                 biased;
                 () = &mut shutdown => break,
+                () = feedback.claimable.notified() => {}
                 () = wakeups.wait(c.poll_interval) => {}
             }
         }
-        link.close().await;
-        Ok(())
     }
 
-    /// Connect, claim, publish, settle.
-    async fn round(&self, link: &mut ConfirmedLink) -> Result<Round, StoreError> {
+    /// Connect, claim, publish; the confirms are awaited by the settling half.
+    async fn claim_and_publish(
+        &self,
+        link: &mut ConfirmedLink,
+        place: OwnedSemaphorePermit,
+    ) -> Result<Claimed, StoreError> {
         let c = &self.config;
         // Connected before claiming, so a broker outage claims (and releases) nothing, and
         // the lease is not spent on connecting.
         if let Err(e) = link.connect().await {
-            return Ok(Round {
-                outage: Some(e.to_string()),
-                ..Round::default()
-            });
+            return Ok(Claimed::BrokerDown(e.to_string()));
         }
-        let mut conn = self.pool.acquire().await?;
-        let rows = self
-            .store
-            .claim(&mut conn, &c.name, c.batch_size, c.lease)
-            .await?;
+        let rows = {
+            let mut conn = self.pool.acquire().await?;
+            self.store
+                .claim(&mut conn, &c.name, c.batch_size, c.lease)
+                .await?
+        };
         if rows.is_empty() {
-            return Ok(Round::default());
+            return Ok(Claimed::Nothing);
         }
         let claimed_at = Instant::now();
-        self.stats.rounds.fetch_add(1, Relaxed);
+        self.stats.batches.fetch_add(1, Relaxed);
         self.stats.claimed.fetch_add(rows.len() as u64, Relaxed);
         let publications: Vec<Publication> = rows.iter().map(publication).collect();
-        // Everything up to the marks within half the lease, so they land before another relay
-        // may take the rows over: what is not confirmed by then is released, not marked.
-        let budget = c.lease / 2;
-        let results =
-            match tokio::time::timeout(budget, link.publish_all(&publications, c.confirm_timeout))
+        // Publishing and confirms within the confirm timeout (at most half the lease), so the
+        // marks land before another relay may take the rows over: what is not confirmed by then
+        // is released, not marked.
+        let outstanding =
+            match tokio::time::timeout_at(claimed_at + c.confirm_timeout, link.send(&publications))
                 .await
             {
-                Ok(results) => results,
+                Ok(outstanding) => outstanding,
                 Err(_) => {
                     link.reset();
-                    let why = format!("publishing took longer than {budget:?} (half the lease)");
-                    publications
-                        .iter()
-                        .map(|_| PublishResult::Unconfirmed(why.clone()))
-                        .collect()
+                    Outstanding::unconfirmed(
+                        publications.len(),
+                        &format!("publishing took longer than {:?}", c.confirm_timeout),
+                    )
                 }
             };
-        let outage = results
-            .iter()
-            .all(|r| matches!(r, PublishResult::Unconfirmed(_)))
-            .then(|| match results.first() {
-                Some(PublishResult::Unconfirmed(why)) => why.clone(),
-                _ => "no publish confirmed".to_owned(),
-            });
-        let confirmed_after = claimed_at.elapsed();
-        let settled: Vec<(i64, i64, Settlement)> = rows
-            .iter()
-            .zip(&results)
-            .map(|(row, result)| (row.seq, row.epoch, self.settlement(row, result)))
-            .collect();
-        #[cfg(feature = "fault-injection")]
-        if self.faults.take_skip() {
-            tracing::warn!(
-                rows = rows.len(),
-                "fault injected: rows published but left unmarked"
-            );
-            return Ok(Round {
-                claimed: rows.len(),
-                ..Round::default()
-            });
-        }
+        Ok(Claimed::Batch(InFlight {
+            rows,
+            outstanding,
+            claimed_at,
+            place,
+        }))
+    }
+
+    /// The settling half: per batch, in claim order, awaits the confirms and marks the rows
+    /// under their fencing tokens; ends when the claiming half is gone and every batch handed
+    /// over is settled.
+    async fn settle_loop(
+        &self,
+        mut settling: mpsc::UnboundedReceiver<InFlight>,
+        feedback: &Feedback,
+    ) {
+        let c = &self.config;
         let retry = RetryBackoff {
             max_attempts: c.max_attempts,
             initial: c.retry_initial_delay,
             max: c.retry_max_delay,
             release_after: c.reconnect_initial_delay,
         };
-        let changed = self.store.settle(&mut conn, &settled, retry).await?;
-        self.count(&rows, &settled, &changed, confirmed_after);
-        let ordered_sent = rows.iter().zip(&settled).any(|(row, (seq, _, how))| {
-            row.ordered && *how == Settlement::Sent && changed.contains(seq)
-        });
-        Ok(Round {
-            claimed: rows.len(),
-            ordered_sent,
-            outage,
-        })
+        while let Some(batch) = settling.recv().await {
+            let InFlight {
+                rows,
+                outstanding,
+                claimed_at,
+                place,
+            } = batch;
+            let (results, timed_out) = outstanding.confirmed(claimed_at + c.confirm_timeout).await;
+            if timed_out {
+                feedback.distrust_link.store(true, Relaxed);
+            }
+            if results
+                .iter()
+                .all(|r| matches!(r, PublishResult::Unconfirmed(_)))
+            {
+                let why = match results.first() {
+                    Some(PublishResult::Unconfirmed(why)) => why.clone(),
+                    _ => "no publish confirmed".to_owned(),
+                };
+                *feedback
+                    .outage
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = Some(why);
+            }
+            let confirmed_after = claimed_at.elapsed();
+            let settled: Vec<(i64, i64, Settlement)> = rows
+                .iter()
+                .zip(&results)
+                .map(|(row, result)| (row.seq, row.epoch, self.settlement(row, result)))
+                .collect();
+            #[cfg(feature = "fault-injection")]
+            if self.faults.take_skip() {
+                tracing::warn!(
+                    rows = rows.len(),
+                    "fault injected: rows published but left unmarked"
+                );
+                continue;
+            }
+            let changed = match self.pool.acquire().await {
+                Ok(mut conn) => self.store.settle(&mut conn, &settled, retry).await,
+                Err(e) => Err(e.into()),
+            };
+            drop(place);
+            match changed {
+                Ok(changed) => {
+                    self.count(&rows, &settled, &changed, confirmed_after);
+                    let ordered_sent = rows.iter().zip(&settled).any(|(row, (seq, _, how))| {
+                        row.ordered && *how == Settlement::Sent && changed.contains(seq)
+                    });
+                    if ordered_sent {
+                        feedback.claimable.notify_one();
+                    }
+                }
+                // The rows stay leased and are published again once the lease ends (same ids,
+                // deduped downstream); a database that is gone also fails the next claim, which
+                // backs off.
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    rows = rows.len(),
+                    relay = %c.name,
+                    "outbox rows published but not marked; they are published again after the lease"
+                ),
+            }
+        }
     }
 
     fn settlement(&self, row: &ClaimedRow, result: &PublishResult) -> Settlement {
@@ -626,5 +765,32 @@ fn publication(row: &ClaimedRow) -> Publication {
             row.correlation_id.as_deref(),
             &row.payload,
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rejected(change: impl FnOnce(&mut RelayConfig)) -> Option<&'static str> {
+        let mut c = RelayConfig::new(SchemaName::new("relay_test").expect("schema"));
+        change(&mut c);
+        match c.validate() {
+            Err(ConfigError::InvalidSetting { name, .. }) => Some(name),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn the_defaults_are_valid_and_bad_settings_are_named() {
+        assert_eq!(rejected(|_| {}), None);
+        assert_eq!(rejected(|c| c.window = 0), Some("relay.window"));
+        assert_eq!(rejected(|c| c.window = 65), Some("relay.window"));
+        assert_eq!(rejected(|c| c.window = 1), None);
+        assert_eq!(rejected(|c| c.batch_size = 0), Some("relay.batch_size"));
+        assert_eq!(
+            rejected(|c| c.confirm_timeout = c.lease),
+            Some("relay.lease")
+        );
     }
 }

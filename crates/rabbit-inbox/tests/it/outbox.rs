@@ -494,6 +494,66 @@ async fn two_relays_never_publish_the_same_row_twice() {
     assert_eq!(status_counts(&env).await.get("SENT"), Some(&(ROWS as i64)));
 }
 
+#[tokio::test]
+async fn a_relay_stopped_with_batches_in_flight_settles_every_batch_it_published() {
+    let env = TestEnv::new().await;
+    let downstream = target(&env, "inflight").await;
+    let outbox = Outbox::new(env.schema.clone());
+    const ROWS: usize = 4000;
+    let mut tx = env.pool.begin().await.expect("begin");
+    for i in 0..ROWS {
+        let m = OutboxMessage::json("Backlog", "", &downstream.queue, &json!({"n": i}))
+            .expect("json")
+            .with_id(format!("b-{i}"));
+        outbox.enqueue(&mut tx, &m).await.expect("enqueue");
+    }
+    tx.commit().await.expect("commit");
+    let mut config = relay_config(&env);
+    config.batch_size = 50;
+    config.window = 8;
+    let relay = RunningRelay::start(&env, config);
+    // Stopped while the backlog is still draining, so batches are claimed, published and not
+    // yet settled when the stop comes.
+    wait_for("the first batches settled", async || {
+        relay.stats.snapshot().published >= 200
+    })
+    .await;
+    let stats = relay.stop().await;
+    assert!(
+        (stats.published as usize) < ROWS,
+        "the relay was stopped mid-backlog: {stats:?}"
+    );
+    // Every batch handed over was settled before the connection closed: no row is left
+    // leased, and each claimed row is either SENT or released.
+    let leased: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM \"{}\".outbox WHERE lease_owner IS NOT NULL",
+        env.schema
+    )))
+    .fetch_one(&env.pool)
+    .await
+    .expect("leased rows");
+    assert_eq!(leased, 0, "rows left under the stopped relay's lease");
+    assert_eq!(stats.published + stats.released, stats.claimed, "{stats:?}");
+    let sent = status_counts(&env).await.get("SENT").copied().unwrap_or(0);
+    assert_eq!(sent as u64, stats.published);
+    // SENT means confirmed: exactly those rows are on the queue, each once.
+    let got = take(&env, &downstream.queue, sent as usize).await;
+    assert_quiet(&env, &downstream.queue, Duration::from_millis(500)).await;
+    let ids: std::collections::HashSet<String> =
+        got.into_iter().filter_map(|m| m.message_id).collect();
+    assert_eq!(ids.len(), sent as usize, "a row was published twice");
+    // A fresh relay publishes the rest, none of them again.
+    let rest = RunningRelay::start(&env, relay_config(&env));
+    let got = take(&env, &downstream.queue, ROWS - sent as usize).await;
+    assert_quiet(&env, &downstream.queue, Duration::from_millis(500)).await;
+    for m in got {
+        let id = m.message_id.expect("id");
+        assert!(!ids.contains(&id), "{id} published by both relays");
+    }
+    assert_eq!(rest.stop().await.fenced, 0);
+    assert_eq!(status_counts(&env).await.get("SENT"), Some(&(ROWS as i64)));
+}
+
 #[cfg(feature = "fault-injection")]
 #[tokio::test]
 async fn a_republish_after_an_unconfirmed_publish_is_deduped_downstream() {
