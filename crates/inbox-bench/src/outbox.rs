@@ -371,6 +371,30 @@ async fn write(
     Ok(all)
 }
 
+/// An in-process relay (retention off: the bench's rows are dropped with its schema).
+struct RunningRelay {
+    stop: tokio::sync::oneshot::Sender<()>,
+    running: tokio::task::JoinHandle<Result<(), rabbit_inbox::outbox::RelayError>>,
+}
+
+impl RunningRelay {
+    fn start(amqp_url: &str, pool: &PgPool, mut config: RelayConfig) -> Result<Self, BenchError> {
+        config.retention = None;
+        let relay = Relay::new(amqp_url, pool.clone(), config)?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let running = tokio::spawn(relay.run(async move {
+            let _ = stopped.await;
+        }));
+        Ok(Self { stop, running })
+    }
+
+    /// Stops it; the batches it published are settled first.
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.running.await;
+    }
+}
+
 /// How the writers go: as fast as they can, or one message per transaction at a low rate
 /// (what an idle relay sees).
 #[derive(Clone, Copy, PartialEq)]
@@ -405,12 +429,7 @@ async fn through_outbox(
     } else {
         Duration::from_millis(100)
     };
-    config.retention = None;
-    let relay = Relay::new(amqp_url, pool.clone(), config)?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(relay.run(async move {
-        let _ = stopped.await;
-    }));
+    let relay = RunningRelay::start(amqp_url, pool, config)?;
     // Let the relay connect and LISTEN before the first commit.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let prefix = format!("outbox-{run}-{notify}");
@@ -431,8 +450,7 @@ async fn through_outbox(
         }
     };
     await_arrivals(arrivals, handoffs.len()).await?;
-    let _ = stop.send(());
-    let _ = running.await;
+    relay.stop().await;
     let mode = match (pace, notify) {
         (Pace::Flat, true) => NOTIFY_MODE,
         (Pace::Flat, false) => "outbox, NOTIFY off, poll 100 ms",
@@ -467,25 +485,18 @@ async fn writers_then_drain(
         cpu_ms_per_1k: Some(CpuTicks::now().per_thousand(cpu_before, committed.len())),
         ..OutboxMode::default()
     };
-    let mut config = RelayConfig::new(o.schema.clone());
-    config.retention = None;
-    let relay = Relay::new(amqp_url, pool.clone(), config)?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let cpu_before = CpuTicks::now();
     let relay_started = Instant::now();
     let handoffs: HashMap<String, Instant> = committed
         .keys()
         .map(|id| (id.clone(), relay_started))
         .collect();
-    let running = tokio::spawn(relay.run(async move {
-        let _ = stopped.await;
-    }));
+    let relay = RunningRelay::start(amqp_url, pool, RelayConfig::new(o.schema.clone()))?;
     await_arrivals(arrivals, handoffs.len()).await?;
     let mut drain = figures(DRAIN_MODE, &handoffs, arrivals);
     // Read before the relay stops; await_arrivals' trailing wait is idle time.
     let cpu = CpuTicks::now().per_thousand(cpu_before, handoffs.len());
-    let _ = stop.send(());
-    let _ = running.await;
+    relay.stop().await;
     drain.cpu_ms_per_1k = Some(cpu);
     // The latency from the relay's start says nothing about the relay; the rate does.
     drain.p50_ms = 0.0;

@@ -172,13 +172,8 @@ impl ConfirmedLink {
     /// claimed and published meanwhile. A publish that fails outright drops the link (the next
     /// use reconnects); what follows it in `items` is not published.
     pub(crate) async fn send(&mut self, items: &[Publication]) -> Outstanding {
-        let unconfirmed = |e: &dyn std::fmt::Display| Outstanding {
-            results: items
-                .iter()
-                .map(|_| Some(PublishResult::Unconfirmed(e.to_string())))
-                .collect(),
-            confirms: Vec::new(),
-        };
+        let unconfirmed =
+            |e: &dyn std::fmt::Display| Outstanding::unconfirmed(items.len(), &e.to_string());
         let missing = match self.check_exchanges(items).await {
             Ok(missing) => missing,
             Err(e) => {

@@ -129,6 +129,17 @@ async fn status_counts(env: &TestEnv) -> HashMap<String, i64> {
     .collect()
 }
 
+/// One aggregate over the outbox table, e.g. `count(*) FILTER (WHERE ...)`.
+async fn outbox_figure(env: &TestEnv, aggregate: &str) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT ({aggregate})::bigint FROM \"{}\".outbox",
+        env.schema
+    )))
+    .fetch_one(&env.pool)
+    .await
+    .unwrap_or_else(|e| panic!("{aggregate}: {e}"))
+}
+
 /// Emits `emit` messages per incoming message (`{"emit": n, "fail_first": bool}`) to
 /// `routing_key` on the default exchange, after writing an effect row; fails the first attempt
 /// after emitting when asked, so the emitted rows roll back with it.
@@ -525,13 +536,7 @@ async fn a_relay_stopped_with_batches_in_flight_settles_every_batch_it_published
     );
     // Every batch handed over was settled before the connection closed: no row is left
     // leased, and each claimed row is either SENT or released.
-    let leased: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM \"{}\".outbox WHERE lease_owner IS NOT NULL",
-        env.schema
-    )))
-    .fetch_one(&env.pool)
-    .await
-    .expect("leased rows");
+    let leased = outbox_figure(&env, "count(*) FILTER (WHERE lease_owner IS NOT NULL)").await;
     assert_eq!(leased, 0, "rows left under the stopped relay's lease");
     assert_eq!(stats.published + stats.released, stats.claimed, "{stats:?}");
     let sent = status_counts(&env).await.get("SENT").copied().unwrap_or(0);
@@ -753,13 +758,7 @@ async fn a_relay_without_a_broker_claims_nothing_and_publishes_once_it_is_back()
     // It backed off instead of claiming and releasing the rows in a loop.
     assert_eq!(stats.claimed, 0, "{stats:?}");
     assert_eq!(status_counts(&env).await.get("PENDING"), Some(&3));
-    let attempts: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT coalesce(sum(attempts), 0) FROM \"{}\".outbox",
-        env.schema
-    )))
-    .fetch_one(&env.pool)
-    .await
-    .expect("attempts");
+    let attempts = outbox_figure(&env, "coalesce(sum(attempts), 0)").await;
     assert_eq!(attempts, 0, "an outage is not the messages' fault");
 
     let relay = RunningRelay::start(&env, relay_config(&env));
