@@ -35,7 +35,7 @@ const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 const MAX_RECOVER_LIMIT: usize = 10_000;
 
 /// A duration in humantime form (`90s`, `5m`, `2h`, `30days`), at most a century.
-fn duration(name: &str, text: &str) -> Result<Duration, ApiError> {
+pub(crate) fn duration(name: &str, text: &str) -> Result<Duration, ApiError> {
     let d = humantime::parse_duration(text)
         .map_err(|e| ApiError::bad_request(format!("invalid {name} {text:?}: {e}")))?;
     if d > MAX_DURATION {
@@ -47,7 +47,7 @@ fn duration(name: &str, text: &str) -> Result<Duration, ApiError> {
 }
 
 /// A point in time: RFC 3339, or a duration meaning that long ago (`2h`).
-fn instant(name: &str, text: &str) -> Result<DateTime<Utc>, ApiError> {
+pub(crate) fn instant(name: &str, text: &str) -> Result<DateTime<Utc>, ApiError> {
     if let Ok(t) = DateTime::parse_from_rfc3339(text) {
         return Ok(t.with_timezone(&Utc));
     }
@@ -68,11 +68,11 @@ fn instant(name: &str, text: &str) -> Result<DateTime<Utc>, ApiError> {
 }
 
 /// Blank query parameters count as absent (a form's empty field).
-fn given(value: &Option<String>) -> Option<&str> {
+pub(crate) fn given(value: &Option<String>) -> Option<&str> {
     value.as_deref().map(str::trim).filter(|v| !v.is_empty())
 }
 
-async fn parking_lot(state: &AdminState) -> Result<Option<ParkingLot>, ApiError> {
+pub(crate) async fn parking_lot(state: &AdminState) -> Result<Option<ParkingLot>, ApiError> {
     let Some((topology, _)) = &state.queues else {
         return Ok(None);
     };
@@ -84,7 +84,11 @@ async fn parking_lot(state: &AdminState) -> Result<Option<ParkingLot>, ApiError>
     }
 }
 
-fn actor(caller: &Caller, reason: &str, ticket: Option<&str>) -> Result<Actor, ApiError> {
+pub(crate) fn actor(
+    caller: &Caller,
+    reason: &str,
+    ticket: Option<&str>,
+) -> Result<Actor, ApiError> {
     if reason.trim().is_empty() {
         return Err(ApiError::bad_request(
             "a reason is required: it is written to the audit trail",
@@ -141,6 +145,10 @@ pub(crate) async fn status(
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 pub(crate) struct ListParams {
+    /// One message id (exact).
+    message_id: Option<String>,
+    /// Correlation id (exact).
+    correlation_id: Option<String>,
     /// Consumer.
     consumer: Option<String>,
     /// Statuses, comma-separated (default: every status but PROCESSED).
@@ -191,6 +199,8 @@ pub(crate) async fn list(
         .unwrap_or_default();
     let owned = |v: &Option<String>| given(v).map(str::to_owned);
     let filter = ListFilter {
+        message_id: owned(&p.message_id),
+        correlation_id: owned(&p.correlation_id),
         consumer: owned(&p.consumer),
         statuses,
         message_type: owned(&p.message_type),
@@ -207,7 +217,7 @@ pub(crate) async fn list(
 }
 
 /// The caller may see payloads, headers and error texts.
-fn sees_payloads(caller: Option<&Caller>) -> bool {
+pub(crate) fn sees_payloads(caller: Option<&Caller>) -> bool {
     caller.is_some_and(|c| c.scope >= Scope::ReadPayload)
 }
 
@@ -440,16 +450,16 @@ pub(crate) async fn cleanup_dry_run(
     Ok(Json(state.ops.cleanup(&request, &NoProgress).await?))
 }
 
-/// Body of `POST /api/v1/redrive`.
+/// Body of `POST /api/v1/redrive` and `POST /api/v1/discard`.
 #[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct RedriveBody {
     /// Why (written to the audit trail).
-    reason: String,
+    pub(crate) reason: String,
     /// Ticket to cite beside the reason.
-    ticket: Option<String>,
+    pub(crate) ticket: Option<String>,
     /// Classify and count only; nothing moves.
     #[serde(default)]
-    dry_run: bool,
+    pub(crate) dry_run: bool,
     /// Only copies parked by this consumer.
     consumer: Option<String>,
     /// Only this message type.
@@ -458,6 +468,9 @@ pub(crate) struct RedriveBody {
     message_type: Option<String>,
     /// Only this error code.
     error_code: Option<String>,
+    /// Only these message ids (a search result's); empty or absent: any.
+    #[serde(default)]
+    message_ids: Vec<String>,
     /// Only copies parked at or after (RFC 3339, or a duration ago such as `2h`).
     since: Option<String>,
     /// Only copies parked before.
@@ -467,12 +480,77 @@ pub(crate) struct RedriveBody {
     /// At most this many copies moved.
     limit: Option<u64>,
     /// Also replay copies whose row retention removed, and copies the inbox does not know
-    /// (audited as forced).
+    /// (audited as forced). Redrive only.
     #[serde(default)]
     force: bool,
-    /// Remove copies whose row is PROCESSED instead of leaving them.
+    /// Remove copies whose row is PROCESSED instead of leaving them. Redrive only.
     #[serde(default)]
     drop_processed: bool,
+}
+
+/// Most message ids one bulk request may name.
+const MAX_MESSAGE_IDS: usize = 1000;
+
+impl RedriveBody {
+    /// The operation's request: a redrive, or with `discard` a removal of parked copies.
+    pub(crate) fn request(&self, discard: bool) -> Result<RedriveRequest, ApiError> {
+        if let Some(rate) = self.rate_per_sec
+            && !(MIN_REDRIVE_RATE..=MAX_REDRIVE_RATE).contains(&rate)
+        {
+            return Err(ApiError::bad_request(format!(
+                "rate_per_sec must be from {MIN_REDRIVE_RATE} to {MAX_REDRIVE_RATE}"
+            )));
+        }
+        if self.limit == Some(0) {
+            return Err(ApiError::bad_request("limit must be at least 1"));
+        }
+        if discard && (self.force || self.drop_processed) {
+            return Err(ApiError::bad_request(
+                "force and drop_processed are redrive options; a discard removes parked \
+                 copies of parked rows only",
+            ));
+        }
+        if self.message_ids.len() > MAX_MESSAGE_IDS {
+            return Err(ApiError::bad_request(format!(
+                "at most {MAX_MESSAGE_IDS} message ids per request"
+            )));
+        }
+        Ok(RedriveRequest {
+            dry_run: self.dry_run,
+            consumer: given(&self.consumer).map(str::to_owned),
+            message_type: given(&self.message_type).map(str::to_owned),
+            error_code: given(&self.error_code).map(str::to_owned),
+            message_ids: self
+                .message_ids
+                .iter()
+                .map(|id| id.trim())
+                .filter(|id| !id.is_empty())
+                .map(str::to_owned)
+                .collect(),
+            since: given(&self.since)
+                .map(|s| instant("since", s))
+                .transpose()?,
+            until: given(&self.until)
+                .map(|s| instant("until", s))
+                .transpose()?,
+            rate_per_sec: self.rate_per_sec,
+            limit: self.limit,
+            force: self.force,
+            drop_processed: self.drop_processed,
+            discard,
+        })
+    }
+}
+
+/// The parking lot an action walks, or 409 when the server does not know the consumer's
+/// queues.
+pub(crate) async fn required_parking_lot(state: &AdminState) -> Result<ParkingLot, ApiError> {
+    parking_lot(state).await?.ok_or_else(|| {
+        ApiError::new(
+            axum::http::StatusCode::CONFLICT,
+            "this action reads the parking lot: start the server with --queue",
+        )
+    })
 }
 
 /// Moves parked messages back to the work queue after a fix, each classified against its
@@ -489,38 +567,34 @@ pub(crate) async fn redrive(
     Body(body): Body<RedriveBody>,
 ) -> Result<Json<RedriveReport>, ApiError> {
     let actor = actor(&caller, &body.reason, body.ticket.as_deref())?;
-    if let Some(rate) = body.rate_per_sec
-        && !(MIN_REDRIVE_RATE..=MAX_REDRIVE_RATE).contains(&rate)
-    {
-        return Err(ApiError::bad_request(format!(
-            "rate_per_sec must be from {MIN_REDRIVE_RATE} to {MAX_REDRIVE_RATE}"
-        )));
-    }
-    if body.limit == Some(0) {
-        return Err(ApiError::bad_request("limit must be at least 1"));
-    }
-    let request = RedriveRequest {
-        dry_run: body.dry_run,
-        consumer: given(&body.consumer).map(str::to_owned),
-        message_type: given(&body.message_type).map(str::to_owned),
-        error_code: given(&body.error_code).map(str::to_owned),
-        since: given(&body.since)
-            .map(|s| instant("since", s))
-            .transpose()?,
-        until: given(&body.until)
-            .map(|s| instant("until", s))
-            .transpose()?,
-        rate_per_sec: body.rate_per_sec,
-        limit: body.limit,
-        force: body.force,
-        drop_processed: body.drop_processed,
-    };
-    let Some(lot) = parking_lot(&state).await? else {
-        return Err(ApiError::new(
-            axum::http::StatusCode::CONFLICT,
-            "redrive reads the parking lot: start the server with --queue",
-        ));
-    };
+    let request = body.request(false)?;
+    let lot = required_parking_lot(&state).await?;
+    let report = state
+        .ops
+        .redrive(&lot, &request, Some(&actor), &NoProgress)
+        .await;
+    lot.close().await;
+    Ok(Json(report?))
+}
+
+/// Removes parked copies whose rows are parked (PERMANENT_FAILED, POISONED, MANUAL_REVIEW):
+/// messages an operator decided are not to be processed. The rows stay parked, as evidence,
+/// and note when their copy was discarded; each removal is audited (`discard`) before its copy is acked. With `dry_run`
+/// only counts what would be removed.
+#[utoipa::path(post, path = "/api/v1/discard", tag = "actions", request_body = RedriveBody,
+    security(("bearer" = [])),
+    responses((status = 200, description = "RedriveReport", body = serde_json::Value),
+        (status = 400, description = "force or drop_processed given"),
+        (status = 403, description = "not an admin token"),
+        (status = 409, description = "the server was started without --queue")))]
+pub(crate) async fn discard(
+    State(state): State<Arc<Server>>,
+    Extension(caller): Extension<Caller>,
+    Body(body): Body<RedriveBody>,
+) -> Result<Json<RedriveReport>, ApiError> {
+    let actor = actor(&caller, &body.reason, body.ticket.as_deref())?;
+    let request = body.request(true)?;
+    let lot = required_parking_lot(&state).await?;
     let report = state
         .ops
         .redrive(&lot, &request, Some(&actor), &NoProgress)

@@ -28,6 +28,17 @@ pub(crate) fn current_request_id() -> Option<String> {
     REQUEST_ID.try_with(Clone::clone).ok()
 }
 
+/// Runs `task` (work a request started that outlives it) under the request's id, so its
+/// failures are logged under the id the caller was given.
+pub(crate) fn spawn_for_request<F>(task: F) -> tokio::task::JoinHandle<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let id = current_request_id().unwrap_or_else(|| "-".into());
+    tokio::spawn(REQUEST_ID.scope(id, task))
+}
+
 /// Middleware: gives the request an id, visible to everything that runs for it (the handler
 /// runs in the same task) and returned in `X-Request-Id`.
 pub(crate) async fn request_id(request: Request, next: Next) -> Response {
@@ -104,6 +115,11 @@ impl ApiError {
     /// The status code.
     pub fn status(&self) -> StatusCode {
         self.status
+    }
+
+    /// What the caller is told.
+    pub fn message(&self) -> &str {
+        &self.message
     }
 }
 

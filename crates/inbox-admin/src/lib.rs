@@ -1,8 +1,9 @@
 //! Admin HTTP API and dashboard for rabbit-inbox.
 //!
 //! Probes (`/healthz`, `/readyz`), `/metrics`, JSON inspection endpoints and audited operator
-//! actions under `/api/v1`, its OpenAPI description at `/api/v1/openapi.json`, and a dashboard
-//! page at `/`. Every endpoint is glue over [`inbox_ops::Operations`]: the operations
+//! actions under `/api/v1`, its OpenAPI description at `/api/v1/openapi.json`, and the
+//! operator console at `/` (overview with live charts and alerts, message search and timeline,
+//! bulk actions with preview and progress, edit-and-replay). Every endpoint is glue over [`inbox_ops::Operations`]: the operations
 //! are written once, in the library, and the CLI and this server only front them.
 //!
 //! **Access:** read endpoints need a token of any scope (`read`, `read:payload`, `admin`);
@@ -23,6 +24,7 @@
 
 mod api;
 mod auth;
+mod console;
 mod dashboard;
 mod error;
 mod guard;
@@ -73,6 +75,9 @@ pub struct AdminState {
     pub tokens: Tokens,
     /// This process's Prometheus recorder, rendered at `/metrics`.
     pub metrics: Option<PrometheusHandle>,
+    /// A Prometheus server evaluating the shipped alert rules: the console shows their state.
+    /// Without it the console evaluates the same conditions from the ledger.
+    pub prometheus_url: Option<String>,
 }
 
 impl std::fmt::Debug for AdminState {
@@ -81,6 +86,7 @@ impl std::fmt::Debug for AdminState {
         f.debug_struct("AdminState")
             .field("ops", &self.ops)
             .field("queues", &self.queues)
+            .field("prometheus_url", &self.prometheus_url)
             .finish_non_exhaustive()
     }
 }
@@ -118,6 +124,7 @@ pub(crate) struct Server {
     throttle: guard::FailureThrottle,
     readiness: health::Readiness,
     insecure_http: bool,
+    jobs: console::Jobs,
 }
 
 impl Deref for Server {
@@ -140,12 +147,20 @@ fn api_routes(state: &Arc<Server>) -> OpenApiRouter<Arc<Server>> {
         .routes(routes!(api::show))
         .routes(routes!(api::failures))
         .routes(routes!(api::doctor))
+        .routes(routes!(console::activity))
+        .routes(routes!(console::alerts))
+        .routes(routes!(console::timeline))
+        .routes(routes!(console::audit))
         .route_layer(middleware::from_fn_with_state(state.clone(), guard::read));
     let admin = OpenApiRouter::new()
         .routes(routes!(api::recover))
         .routes(routes!(api::redrive))
         .routes(routes!(api::reopen))
         .routes(routes!(api::cleanup_dry_run))
+        .routes(routes!(api::discard))
+        .routes(routes!(console::start_job))
+        .routes(routes!(console::job))
+        .routes(routes!(console::replay_edited))
         .route_layer(middleware::from_fn_with_state(state.clone(), guard::admin));
     open.merge(read).merge(admin)
 }
@@ -196,6 +211,8 @@ fn router(server: &Arc<Server>, hosts: host::AllowedHosts, options: &ServeOption
         .route("/", get(dashboard::index))
         .route("/assets/app.js", get(dashboard::script))
         .route("/assets/app.css", get(dashboard::style))
+        .route("/assets/uplot.js", get(dashboard::chart_script))
+        .route("/assets/uplot.css", get(dashboard::chart_style))
         .fallback(|| async { ApiError::not_found("no such page or endpoint") })
         .with_state(server.clone())
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
@@ -240,6 +257,7 @@ fn build(
         throttle: guard::FailureThrottle::default(),
         readiness: health::Readiness::default(),
         insecure_http: options.serves_insecure_http(addr),
+        jobs: console::Jobs::default(),
     });
     let app = router(&server, hosts, options);
     Ok((server, app))

@@ -1,15 +1,16 @@
 //! The audit record every mutating operation (and every read of a stored payload) writes: the
-//! one writer of `inbox_audit`.
+//! one writer of `inbox_audit`; and its reader, [`Operations::audit_trail`].
 //!
 //! Rows go through the `SECURITY DEFINER` function of the action's family
 //! ([`rabbit_inbox::roles::AuditWriter`]); the database stamps each with the writing session's role
 //! (`db_role`) and its own clock (`occurred_at`), whatever the caller says, and refuses an
 //! action the caller's role has no writer for.
 
+use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::{AssertSqlSafe, PgConnection};
 
-use super::{Actor, OpsError};
+use super::{Actor, AuditEntry, Operations, OpsError};
 use rabbit_inbox::{roles::AuditWriter, schema::SchemaName};
 
 /// Audit action of a stored payload read through the admin server (read or admin token).
@@ -47,4 +48,62 @@ pub async fn audit(
     .bind(details)
     .fetch_one(conn)
     .await?)
+}
+
+/// Which entries [`Operations::audit_trail`] returns. Empty filters match everything.
+#[derive(Clone, Debug)]
+pub struct AuditFilter {
+    /// Only this actor's entries.
+    pub actor: Option<String>,
+    /// Only this action.
+    pub action: Option<String>,
+    /// Only this consumer's.
+    pub consumer: Option<String>,
+    /// Only entries written at or after.
+    pub since: Option<DateTime<Utc>>,
+    /// Most entries, 1 to 1000.
+    pub limit: u32,
+}
+
+impl Default for AuditFilter {
+    fn default() -> Self {
+        Self {
+            actor: None,
+            action: None,
+            consumer: None,
+            since: None,
+            limit: 200,
+        }
+    }
+}
+
+impl Operations {
+    /// The audit trail, newest first, filtered: what an operator action (a bulk redrive, a
+    /// replay) wrote, or what one actor did since an incident began.
+    pub async fn audit_trail(&self, filter: &AuditFilter) -> Result<Vec<AuditEntry>, OpsError> {
+        if !(1..=1000).contains(&filter.limit) {
+            return Err(OpsError::Invalid("limit must be 1 to 1000".into()));
+        }
+        sqlx::query(crate::inspect::sql(format!(
+            "SELECT audit_id, occurred_at, actor, action, consumer_name, message_id, reason, \
+               ticket, details, db_role FROM {} \
+             WHERE ($1::text IS NULL OR actor = $1) AND ($2::text IS NULL OR action = $2) \
+               AND ($3::text IS NULL OR consumer_name = $3) \
+               AND ($4::timestamptz IS NULL OR occurred_at >= $4) \
+             ORDER BY audit_id DESC LIMIT $5",
+            self.schema.qualify("inbox_audit")
+        )))
+        .persistent(false)
+        .bind(filter.actor.as_deref())
+        .bind(filter.action.as_deref())
+        .bind(filter.consumer.as_deref())
+        .bind(filter.since)
+        .bind(i64::from(filter.limit))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(crate::inspect::audit_from_row)
+        .collect::<Result<_, _>>()
+        .map_err(OpsError::from)
+    }
 }

@@ -141,6 +141,11 @@ pub struct ListFilter {
     pub aggregate_id: Option<String>,
     /// Tenant.
     pub tenant: Option<String>,
+    /// Exactly this message id (dedup key); with every status, for instance, it finds the row
+    /// of each consumer that has it.
+    pub message_id: Option<String>,
+    /// Exactly this correlation id (through its own index).
+    pub correlation_id: Option<String>,
     /// First received at or after.
     pub since: Option<DateTime<Utc>>,
     /// First received before.
@@ -161,6 +166,8 @@ impl Default for ListFilter {
             aggregate_type: None,
             aggregate_id: None,
             tenant: None,
+            message_id: None,
+            correlation_id: None,
             since: None,
             until: None,
             cursor: None,
@@ -486,7 +493,7 @@ fn status_of(row: &PgRow) -> Result<InboxStatus, OpsError> {
     Ok(row.try_get::<String, _>("status")?.parse()?)
 }
 
-fn sql(text: String) -> AssertSqlSafe<String> {
+pub(crate) fn sql(text: String) -> AssertSqlSafe<String> {
     AssertSqlSafe(text)
 }
 
@@ -663,6 +670,8 @@ impl Operations {
                AND ($9::timestamptz IS NULL OR first_received_at < $9) \
                AND ($10::timestamptz IS NULL \
                     OR (first_received_at, message_id, consumer_name) > ($10, $11, $12)) \
+               AND ($14::text IS NULL OR message_id = $14) \
+               AND ($15::text IS NULL OR correlation_id = $15) \
              ORDER BY first_received_at, message_id, consumer_name \
              LIMIT $13"
         )))
@@ -680,6 +689,8 @@ impl Operations {
         .bind(cursor.as_ref().map(|c| c.m.as_str()))
         .bind(cursor.as_ref().map(|c| c.c.as_str()))
         .bind(i64::from(filter.limit) + 1)
+        .bind(filter.message_id.as_deref())
+        .bind(filter.correlation_id.as_deref())
         .fetch_all(&self.pool)
         .await?;
         let mut rows = rows
@@ -948,7 +959,7 @@ pub(super) fn tombstone_from_row(row: &PgRow) -> Result<Tombstone, StoreError> {
     })
 }
 
-fn audit_from_row(row: &PgRow) -> Result<AuditEntry, StoreError> {
+pub(crate) fn audit_from_row(row: &PgRow) -> Result<AuditEntry, StoreError> {
     Ok(AuditEntry {
         audit_id: row.try_get("audit_id")?,
         occurred_at: row.try_get("occurred_at")?,

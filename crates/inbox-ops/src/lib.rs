@@ -12,21 +12,31 @@
 //! writes `inbox_audit` in the same transaction as the change; no operation deletes inbox
 //! evidence except retention, which leaves a tombstone.
 
+mod activity;
+mod alerts;
 mod audit;
 mod doctor;
 #[cfg(feature = "fault-injection")]
 mod fault;
+mod history;
 mod inspect;
 mod management;
 mod recover;
 mod redrive;
 mod reopen;
+mod replay;
 mod retention;
 
-pub use audit::{PAYLOAD_READ, audit};
+pub use activity::{ActivityBucket, ActivityQuery, ActivityReport, ConsumerActivity};
+pub use alerts::{
+    ALERT_DUPLICATE_SPIKE, ALERT_OLDEST_UNPROCESSED_AGE, ALERT_PARKING_LOT_GROWING,
+    ALERT_STALE_PROCESSING, AlertQuery, LedgerAlert,
+};
+pub use audit::{AuditFilter, PAYLOAD_READ, audit};
 pub use doctor::{Area, Check, DoctorReport, DoctorRequest, Severity, check_ids};
 #[cfg(feature = "fault-injection")]
 pub use fault::{RedriveFaults, RedriveStep};
+pub use history::{Timeline, TimelineEntry, TimelineKind};
 pub use inspect::{
     AuditEntry, BrokerDepths, BrokerLocation, FailureGroup, ListFilter, ListPage, OPEN_STATUSES,
     Payload, RowDetail, RowSummary, ShowQuery, ShowReport, StatusLine, StatusQuery, StatusReport,
@@ -42,10 +52,14 @@ pub use recover::{
     RecoveryConfig, RecoveryPolicy, RecoveryReport,
 };
 pub use redrive::{
-    DROP_PROCESSED, DROP_REDRIVEN, Finding, MAX_REDRIVE_RATE, MIN_REDRIVE_RATE, ParkedAction,
-    ParkedClass, REDRIVE, RedriveReport, RedriveRequest, planned_action,
+    DISCARD, DROP_PROCESSED, DROP_REDRIVEN, Finding, MAX_REDRIVE_RATE, MIN_REDRIVE_RATE,
+    ParkedAction, ParkedClass, REDRIVE, RedriveReport, RedriveRequest, planned_action,
 };
 pub use reopen::{FORCED_REPLAY, REOPEN, Reopened};
+pub use replay::{
+    DiffLine, DiffOp, REPLACEMENT_NAMESPACE, REPLACES_HEADER, REPLAY_EDITED, ReplayEditedReport,
+    ReplayEditedRequest, WorkQueue, replacement_id,
+};
 pub use retention::{CleanupReport, CleanupRequest, RetentionTask};
 
 use std::sync::Arc;
@@ -257,6 +271,7 @@ mod tests {
         ops: &Operations,
         lot: &rabbit_inbox::broker::ParkingLot,
         actor: &Actor,
+        broker: &rabbit_inbox::broker::Broker,
     ) {
         fn send<T: Send>(_: &T) {}
         send(&ops.status(&StatusQuery::default(), Some(lot)));
@@ -264,6 +279,12 @@ mod tests {
         send(&ops.failure_groups(None));
         send(&ops.reopen("m", "c", actor, false));
         send(&ops.redrive(lot, &RedriveRequest::default(), Some(actor), &NoProgress));
+        send(&ops.replay_edited(
+            &WorkQueue::new(broker, "q"),
+            Some(lot),
+            &ReplayEditedRequest::default(),
+            actor,
+        ));
         send(&ops.doctor(&DoctorRequest::default()));
         send(&ops.show(&ShowQuery {
             message_id: "m".into(),

@@ -424,7 +424,7 @@ impl Operations {
             };
             match self.copy_to_republish(&mut tx, request, &current).await? {
                 Ok(copy) => {
-                    if let Err(e) = publish(broker, request, &copy).await {
+                    if let Err(e) = publish(broker, &request.work_queue, &copy).await {
                         return Ok(failed(e.to_string()));
                     }
                 }
@@ -504,21 +504,43 @@ impl Operations {
         found: &Found,
     ) -> Result<Result<OutgoingMessage, Unrepublishable>, OpsError> {
         let m = &found.message;
-        let kept = InboxStore::new(self.schema.clone())
-            .find_payload(tx, &request.consumer, &m.message_id)
+        let kept = match self
+            .kept_message(tx, &request.consumer, &m.message_id)
             .await?
-            .ok_or_else(|| OpsError::Invalid(format!("row {} is gone", m.message_id)))?;
+        {
+            Ok(kept) => kept,
+            Err(why) => return Ok(Err(why)),
+        };
+        let mut headers = kept.headers;
+        headers.insert(RECOVERY_HEADER.into(), json!(m.cause.code()));
+        Ok(Ok(OutgoingMessage {
+            message_id: Some(m.message_id.clone()),
+            kind: Some(m.message_type.clone()),
+            correlation_id: found.correlation_id.clone(),
+            headers,
+            body: kept.body,
+        }))
+    }
+
+    /// A row's message as the producer sent it, from what the row kept: its body (opened when
+    /// sealed) and headers, refused when either is gone or redacted (republished, a redacted
+    /// copy would apply other data). Shared by recovery and the replay of an edited body.
+    pub(crate) async fn kept_message(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        message_id: &str,
+    ) -> Result<Result<KeptMessage, Unrepublishable>, OpsError> {
+        let kept = InboxStore::new(self.schema.clone())
+            .find_payload(conn, consumer, message_id)
+            .await?
+            .ok_or_else(|| OpsError::Invalid(format!("row {message_id} is gone")))?;
         let Some(stored) = &kept.stored else {
             return Ok(Err(Unrepublishable::Lost(
                 "no payload kept to republish".into(),
             )));
         };
-        let body = match open_payload(
-            self.keyring.as_deref(),
-            stored,
-            &request.consumer,
-            &m.message_id,
-        ) {
+        let body = match open_payload(self.keyring.as_deref(), stored, consumer, message_id) {
             Ok(body) => body,
             // Another holder of the key (the consumer's own recovery) can still republish it.
             Err(e @ (PrivacyError::NoKeyring { .. } | PrivacyError::UnknownKey { .. })) => {
@@ -535,19 +557,15 @@ impl Operations {
             )));
         }
         // Headers are sealed with the body when encryption is on.
-        let headers = match open_headers(
-            self.keyring.as_deref(),
-            &kept.headers,
-            &request.consumer,
-            &m.message_id,
-        ) {
-            Ok(headers) => headers,
-            Err(e @ (PrivacyError::NoKeyring { .. } | PrivacyError::UnknownKey { .. })) => {
-                return Ok(Err(Unrepublishable::Sealed(e.to_string())));
-            }
-            Err(e) => return Ok(Err(Unrepublishable::Lost(e.to_string()))),
-        };
-        let mut headers = match headers {
+        let headers =
+            match open_headers(self.keyring.as_deref(), &kept.headers, consumer, message_id) {
+                Ok(headers) => headers,
+                Err(e @ (PrivacyError::NoKeyring { .. } | PrivacyError::UnknownKey { .. })) => {
+                    return Ok(Err(Unrepublishable::Sealed(e.to_string())));
+                }
+                Err(e) => return Ok(Err(Unrepublishable::Lost(e.to_string()))),
+            };
+        let headers = match headers {
             serde_json::Value::Object(map) => map,
             _ => serde_json::Map::new(),
         };
@@ -562,14 +580,7 @@ impl Operations {
                  must send it again"
             ))));
         }
-        headers.insert(RECOVERY_HEADER.into(), json!(m.cause.code()));
-        Ok(Ok(OutgoingMessage {
-            message_id: Some(m.message_id.clone()),
-            kind: Some(m.message_type.clone()),
-            correlation_id: found.correlation_id.clone(),
-            headers,
-            body,
-        }))
+        Ok(Ok(KeptMessage { body, headers }))
     }
 
     async fn audit_recovery(
@@ -599,31 +610,36 @@ impl Operations {
     }
 }
 
+/// A row's message as the producer sent it (see [`Operations::kept_message`]).
+pub(crate) struct KeptMessage {
+    /// The original body.
+    pub(crate) body: Vec<u8>,
+    /// The original application headers.
+    pub(crate) headers: serde_json::Map<String, serde_json::Value>,
+}
+
 /// Why a row's kept payload cannot be republished.
-enum Unrepublishable {
+pub(crate) enum Unrepublishable {
     /// Sealed with a key this recovery does not hold: left unchanged for one that does.
     Sealed(String),
     /// Nothing can republish it (no payload, redacted, key destroyed): manual review.
     Lost(String),
 }
 
-/// Publishes `copy` to the work queue and waits for the broker's confirm, bounded.
-async fn publish(
+/// Publishes `copy` to `work_queue` through the default exchange and waits for the broker's
+/// confirm, bounded.
+pub(crate) async fn publish(
     broker: &Broker,
-    request: &RecoverRequest,
+    work_queue: &str,
     copy: &OutgoingMessage,
 ) -> Result<(), OpsError> {
-    tokio::time::timeout(
-        PUBLISH_TIMEOUT,
-        broker.publish("", &request.work_queue, copy),
-    )
-    .await
-    .map_err(|_| {
-        OpsError::Broker(rabbit_inbox::BrokerError::NotConfirmed(format!(
-            "queue {:?} (no confirm within {PUBLISH_TIMEOUT:?})",
-            request.work_queue
-        )))
-    })??;
+    tokio::time::timeout(PUBLISH_TIMEOUT, broker.publish("", work_queue, copy))
+        .await
+        .map_err(|_| {
+            OpsError::Broker(rabbit_inbox::BrokerError::NotConfirmed(format!(
+                "queue {work_queue:?} (no confirm within {PUBLISH_TIMEOUT:?})"
+            )))
+        })??;
     Ok(())
 }
 

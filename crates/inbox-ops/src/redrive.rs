@@ -14,6 +14,14 @@
 //! | none, tombstone kept           | `would_reapply`| refuse; `force` replays it, audited      |
 //! | none, no tombstone (or no key) | `unknown`      | refuse; `force` moves it, audited        |
 //!
+//! With `discard` the walker removes instead of moving: a copy whose row is parked is acked
+//! away (audited `discard`, one audit row per copy, committed before the ack) and its row
+//! keeps its status and data as evidence; copies of other classes are left where they are
+//! (but for `redriven` leftovers, which every pass removes). `force` and `drop_processed` are
+//! redrive options, refused with `discard`.
+//! `message_ids` narrows either kind of run to the copies of the listed inbox keys: how an
+//! operator acts on a search result.
+//!
 //! What happens to a copy is decided once ([`planned_action`]), for the dry run and the real
 //! run alike, so a preview shows what the run will do.
 //!
@@ -68,6 +76,8 @@ pub const DROP_PROCESSED: &str = "redrive_drop_processed";
 /// Audit action of a parked copy removed because a redrive already moved its message (the
 /// redrive was killed before it acked the copy) and the moved copy was processed.
 pub const DROP_REDRIVEN: &str = "redrive_drop_redriven";
+/// Audit action of a parked copy removed by a discard, its parked row kept as evidence.
+pub const DISCARD: &str = "discard";
 
 /// What a pass read in the parking lot, for reconciliation.
 #[derive(Debug, Default)]
@@ -97,14 +107,22 @@ pub struct RedriveRequest {
     pub since: Option<DateTime<Utc>>,
     /// Only copies parked before.
     pub until: Option<DateTime<Utc>>,
-    /// At most this many moves per second, from [`MIN_REDRIVE_RATE`] to [`MAX_REDRIVE_RATE`].
+    /// At most this many moves (or discards) per second, from [`MIN_REDRIVE_RATE`] to
+    /// [`MAX_REDRIVE_RATE`].
     pub rate_per_sec: Option<f64>,
-    /// At most this many copies moved (or, in a dry run, that would move).
+    /// At most this many copies moved or discarded (or, in a dry run, that would be).
     pub limit: Option<u64>,
     /// Also replay copies whose row retention removed, and copies the inbox does not know.
+    /// Not with `discard`.
     pub force: bool,
-    /// Remove copies whose row is PROCESSED instead of leaving them.
+    /// Remove copies whose row is PROCESSED instead of leaving them. Not with `discard`.
     pub drop_processed: bool,
+    /// Remove the selected copies whose row is parked (PERMANENT_FAILED, POISONED,
+    /// MANUAL_REVIEW) instead of moving them: each removal is audited as [`DISCARD`], the row
+    /// keeps its status and data. Copies of open or unknown rows are left where they are.
+    pub discard: bool,
+    /// Only the copies of these inbox keys (`x-inbox-message-id`); empty: every key.
+    pub message_ids: Vec<String>,
 }
 
 /// How a parked copy relates to the inbox.
@@ -160,8 +178,13 @@ pub enum ParkedAction {
     WouldRemove,
     /// Put back: needs `force` (or `drop_processed`).
     Refused,
-    /// Put back: not selected, or a PROCESSED row's copy without `drop_processed`.
+    /// Put back: not selected, or a PROCESSED row's copy without `drop_processed`, or (with
+    /// `discard`) a copy whose row is not parked.
     Left,
+    /// Removed from the parking lot by a discard; its parked row kept as it was.
+    Discarded,
+    /// Dry run: would be discarded.
+    WouldDiscard,
 }
 
 impl ParkedAction {
@@ -174,6 +197,8 @@ impl ParkedAction {
             ParkedAction::WouldRemove => "would_remove",
             ParkedAction::Refused => "refused",
             ParkedAction::Left => "left",
+            ParkedAction::Discarded => "discarded",
+            ParkedAction::WouldDiscard => "would_discard",
         }
     }
 
@@ -182,6 +207,7 @@ impl ParkedAction {
         match self {
             ParkedAction::Moved => ParkedAction::WouldMove,
             ParkedAction::Removed => ParkedAction::WouldRemove,
+            ParkedAction::Discarded => ParkedAction::WouldDiscard,
             other => other,
         }
     }
@@ -190,6 +216,13 @@ impl ParkedAction {
 /// What a redrive does with a selected copy of `class` under `request` (a real run's action;
 /// a dry run reports [`ParkedAction::previewed`]). The one decision both share.
 pub fn planned_action(class: ParkedClass, request: &RedriveRequest) -> ParkedAction {
+    if request.discard {
+        return match class {
+            ParkedClass::Reopen => ParkedAction::Discarded,
+            ParkedClass::Redriven => ParkedAction::Removed,
+            _ => ParkedAction::Left,
+        };
+    }
     match class {
         ParkedClass::Reopen | ParkedClass::Resume => ParkedAction::Moved,
         ParkedClass::Redriven => ParkedAction::Removed,
@@ -200,7 +233,7 @@ pub fn planned_action(class: ParkedClass, request: &RedriveRequest) -> ParkedAct
     }
 }
 
-/// A parked copy an operator should look at (refused, or PROCESSED).
+/// A parked copy an operator should look at (refused, removed, discarded, or PROCESSED).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Finding {
     /// Inbox key, if the copy has one.
@@ -226,12 +259,12 @@ pub struct RedriveReport {
     pub examined: u64,
     /// Copies per class (`reopen`, `resume`, `processed`, ...).
     pub classes: BTreeMap<&'static str, u64>,
-    /// Copies per action (`moved`, `removed`, `refused`, `left`; a dry run's `would_move`,
-    /// `would_remove`).
+    /// Copies per action (`moved`, `removed`, `discarded`, `refused`, `left`; a dry run's
+    /// `would_move`, `would_remove`, `would_discard`).
     pub actions: BTreeMap<&'static str, u64>,
     /// Moved copies whose producer `user-id` could not be restored (see [`Republished`]).
     pub user_id_not_restored: u64,
-    /// Copies not moved (refused, removed, PROCESSED), at most 1000.
+    /// Copies not moved (refused, removed, discarded, PROCESSED), at most 1000.
     pub findings: Vec<Finding>,
 }
 
@@ -421,7 +454,12 @@ impl Operations {
             want.as_ref().is_none_or(|w| have.as_ref() == Some(w))
         };
         let parked_at = parked.parked_at();
-        matches(&request.consumer, &c.consumer)
+        let listed = request.message_ids.is_empty()
+            || c.key
+                .as_ref()
+                .is_some_and(|k| request.message_ids.contains(k));
+        listed
+            && matches(&request.consumer, &c.consumer)
             && matches(&request.message_type, &c.message_type)
             && matches(&request.error_code, &c.error_code)
             && request
@@ -432,10 +470,11 @@ impl Operations {
                 .is_none_or(|u| parked_at.is_some_and(|p| p < u))
     }
 
-    /// Moves parked messages back to the work queue after a fix, classifying each against its
-    /// inbox row (see the module docs); counts per class and action at the end. Anything but
-    /// a dry run needs an `actor`: every change is audited. Fails on a broker or database
-    /// error, after putting back what it held.
+    /// Moves parked messages back to the work queue after a fix (or, with `discard`, removes
+    /// the copies of parked rows), classifying each against its inbox row (see the module
+    /// docs); counts per class and action at the end. Anything but a dry run needs an `actor`:
+    /// every change is audited. Fails on a broker or database error, after putting back what
+    /// it held.
     pub async fn redrive(
         &self,
         lot: &ParkingLot,
@@ -461,6 +500,13 @@ impl Operations {
         if !request.dry_run && actor.is_none() {
             return Err(OpsError::Invalid(
                 "a redrive that moves messages needs an actor and a reason (or a dry run)".into(),
+            ));
+        }
+        if request.discard && (request.force || request.drop_processed) {
+            return Err(OpsError::Invalid(
+                "force and drop_processed are redrive options; a discard removes only the \
+                 copies of parked rows"
+                    .into(),
             ));
         }
         // The pace is an interval of 1/rate: a tiny rate would overflow it.
@@ -574,7 +620,7 @@ impl Operations {
             };
             let (true, Some(actor)) = (!request.dry_run, actor) else {
                 // Dry run: what the real run would do, nothing done.
-                if planned == ParkedAction::Moved {
+                if matches!(planned, ParkedAction::Moved | ParkedAction::Discarded) {
                     moving += 1;
                 }
                 record(report, planned.previewed());
@@ -634,16 +680,96 @@ impl Operations {
                         }
                     }
                 }
+                ParkedAction::Discarded => {
+                    if let Some(pace) = pace.as_mut() {
+                        pace.tick().await;
+                    }
+                    match self.audit_discard(lot, &parked, &c, actor).await {
+                        // Audited and committed: only now is the copy acked away. Killed in
+                        // between, the copy comes back and a rerun discards it again.
+                        Ok(true) => {
+                            lot.remove(parked).await?;
+                            moving += 1;
+                            record(report, ParkedAction::Discarded);
+                        }
+                        // The row left its parked state since it was classified: leave it.
+                        Ok(false) => {
+                            record(report, ParkedAction::Left);
+                            held.push(parked);
+                        }
+                        Err(e) => {
+                            held.push(parked);
+                            return Err(e);
+                        }
+                    }
+                }
                 ParkedAction::Left
                 | ParkedAction::Refused
                 | ParkedAction::WouldMove
-                | ParkedAction::WouldRemove => {
+                | ParkedAction::WouldRemove
+                | ParkedAction::WouldDiscard => {
                     record(report, planned);
                     held.push(parked);
                 }
             }
         }
         Ok(())
+    }
+
+    /// Writes the `discard` audit row of one parked copy and the row's `discarded_at`, and
+    /// commits, with the row locked and checked still parked (its status is kept). `false`: the
+    /// row is no longer parked (nothing written).
+    async fn audit_discard(
+        &self,
+        lot: &ParkingLot,
+        parked: &ParkedMessage,
+        c: &Classified,
+        actor: &Actor,
+    ) -> Result<bool, OpsError> {
+        let (Some(key), Some(consumer)) = (c.key.as_deref(), c.consumer.as_deref()) else {
+            return Ok(false);
+        };
+        let mut tx = self.pool.begin().await?;
+        let status: Option<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT status FROM {} WHERE consumer_name = $1 AND message_id = $2 \
+               AND status IN ('PERMANENT_FAILED', 'POISONED', 'MANUAL_REVIEW') FOR UPDATE",
+            self.schema.qualify("message_inbox")
+        )))
+        .persistent(false)
+        .bind(consumer)
+        .bind(key)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(status) = status else {
+            return Ok(false);
+        };
+        sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {} SET discarded_at = now() WHERE consumer_name = $1 AND message_id = $2",
+            self.schema.qualify("message_inbox")
+        )))
+        .persistent(false)
+        .bind(consumer)
+        .bind(key)
+        .execute(&mut *tx)
+        .await?;
+        audit(
+            &mut tx,
+            &self.schema,
+            actor,
+            DISCARD,
+            Some(consumer),
+            Some(key),
+            json!({
+                "parking_queue": lot.parking_queue(),
+                "status": status,
+                "error_code": c.error_code,
+                "message_type": c.message_type,
+                "parked_at": parked.parked_at(),
+            }),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(true)
     }
 
     /// Reopens (or audits) the row of one copy and commits, then republishes the copy and waits
@@ -738,5 +864,75 @@ impl Operations {
         // next pass resumes it.
         let republished = lot.republish(parked).await?;
         Ok(Some(republished))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CLASSES: [ParkedClass; 7] = [
+        ParkedClass::Reopen,
+        ParkedClass::Resume,
+        ParkedClass::Redriven,
+        ParkedClass::Processed,
+        ParkedClass::WouldReapply,
+        ParkedClass::Unknown,
+        ParkedClass::Filtered,
+    ];
+
+    fn plan(request: &RedriveRequest) -> Vec<ParkedAction> {
+        CLASSES
+            .iter()
+            .map(|&c| planned_action(c, request))
+            .collect()
+    }
+
+    #[test]
+    fn a_redrive_moves_open_and_parked_rows_and_refuses_the_unknown() {
+        use ParkedAction::*;
+        assert_eq!(
+            plan(&RedriveRequest::default()),
+            [Moved, Moved, Removed, Left, Refused, Refused, Left]
+        );
+        let forced = RedriveRequest {
+            force: true,
+            drop_processed: true,
+            ..RedriveRequest::default()
+        };
+        assert_eq!(
+            plan(&forced),
+            [Moved, Moved, Removed, Removed, Moved, Moved, Left]
+        );
+    }
+
+    #[test]
+    fn a_discard_removes_only_the_copies_of_parked_rows() {
+        use ParkedAction::*;
+        let discard = RedriveRequest {
+            discard: true,
+            ..RedriveRequest::default()
+        };
+        assert_eq!(
+            plan(&discard),
+            [Discarded, Left, Removed, Left, Left, Left, Left]
+        );
+    }
+
+    #[test]
+    fn a_preview_names_what_the_run_would_do() {
+        assert_eq!(
+            ParkedAction::Discarded.previewed(),
+            ParkedAction::WouldDiscard
+        );
+        assert_eq!(ParkedAction::Moved.previewed(), ParkedAction::WouldMove);
+        assert_eq!(ParkedAction::Removed.previewed(), ParkedAction::WouldRemove);
+        assert_eq!(ParkedAction::Left.previewed(), ParkedAction::Left);
+        assert_eq!(ParkedAction::WouldDiscard.as_str(), "would_discard");
+        assert_eq!(ParkedAction::Discarded.as_str(), "discarded");
+        assert_eq!(
+            serde_json::to_value(ParkedAction::WouldDiscard).ok(),
+            Some(serde_json::json!("would_discard"))
+        );
     }
 }

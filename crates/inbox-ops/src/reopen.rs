@@ -107,7 +107,8 @@ pub(super) async fn reopen_row(
         }
     };
     sqlx::query(AssertSqlSafe(format!(
-        "UPDATE {t} SET status = 'RETRYABLE_FAILED', processing_attempt = 0 \
+        "UPDATE {t} SET status = 'RETRYABLE_FAILED', processing_attempt = 0, \
+           discarded_at = NULL \
          WHERE consumer_name = $1 AND message_id = $2"
     )))
     .persistent(false)

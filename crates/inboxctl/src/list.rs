@@ -34,6 +34,12 @@ pub(crate) struct ListArgs {
     /// Tenant.
     #[arg(long)]
     tenant: Option<String>,
+    /// Exact message id (the inbox key).
+    #[arg(long)]
+    message_id: Option<String>,
+    /// Correlation id.
+    #[arg(long)]
+    correlation_id: Option<String>,
     /// First received at or after (RFC 3339, or a duration ago: 2h).
     #[arg(long, value_parser = when::instant)]
     since: Option<chrono::DateTime<chrono::Utc>>,
@@ -66,6 +72,8 @@ pub(crate) async fn run(servers: &Servers, args: ListArgs) -> anyhow::Result<Exi
             aggregate_type: args.aggregate_type,
             aggregate_id: args.aggregate_id,
             tenant: args.tenant,
+            message_id: args.message_id,
+            correlation_id: args.correlation_id,
             since: args.since,
             until: args.until,
             cursor: args.cursor,

@@ -11,6 +11,7 @@ mod outbox;
 mod recover;
 mod redrive;
 mod reopen;
+mod replay;
 mod report;
 mod serve;
 mod show;
@@ -82,10 +83,12 @@ enum Command {
     /// row removed by retention or unknown -> refused unless --force. Each row's reopen
     /// commits before its copy is published with a confirm, and the parked copy is acked
     /// last, so a redrive killed midway loses nothing and running it again finishes the job.
-    /// --dry-run reports what the run would do. Moving needs --actor and --reason; exit code 1
-    /// if any message was refused.
+    /// --discard removes the copies of parked rows instead of moving them (each audited before
+    /// its ack; the rows stay as they are). --message-id (repeatable) acts on listed messages
+    /// only. --dry-run reports what the run would do. Any change needs --actor and --reason;
+    /// exit code 1 if any message was refused.
     #[command(
-        after_help = "Examples:\n  inboxctl redrive --schema billing --queue invoices --dry-run\n  inboxctl redrive --schema billing --queue invoices --error-code tax_lookup_failed --rate 50 \\\n      --actor alice --reason 'tax service fixed' --ticket INC-7"
+        after_help = "Examples:\n  inboxctl redrive --schema billing --queue invoices --dry-run\n  inboxctl redrive --schema billing --queue invoices --error-code tax_lookup_failed --rate 50 \\\n      --actor alice --reason 'tax service fixed' --ticket INC-7\n  inboxctl redrive --schema billing --queue invoices --discard --message-id inv-7 --message-id inv-9 \\\n      --actor alice --reason 'test orders, never to be applied'"
     )]
     Redrive(redrive::RedriveArgs),
     /// Reopen one inbox row so that the next delivery of its message runs the handler again
@@ -100,6 +103,22 @@ enum Command {
         ))
     )]
     Reopen(reopen::ReopenArgs),
+    /// Replace a parked message (PERMANENT_FAILED, POISONED, MANUAL_REVIEW) by an edited copy:
+    /// the body in --body-file is published to the work queue with the original's headers and
+    /// properties under a new id (a UUID v5 of the original id and the edited body, so the same
+    /// edit gets the same id and is applied once) and the header x-inbox-replaces; then the
+    /// original row becomes PROCESSED naming its replacement (audited with both bodies' hashes
+    /// and the changed JSON paths, no body values) and its parked copy is removed. Prints the
+    /// diff and the new id. --dry-run only shows them. Exit code 1 if refused (the row is not
+    /// parked or already replaced, its stored body cannot be read, the edit is not JSON where
+    /// the original was, or edits nothing) or if the parked copy is left to remove.
+    #[command(
+        after_help = "Examples:\n  inboxctl replay-edited --schema billing --consumer invoicer --message-id inv-42 \\\n      --body-file inv-42.json --dry-run\n  inboxctl replay-edited --schema billing --consumer invoicer --message-id inv-42 \\\n      --body-file inv-42.json --queue invoices --actor alice --reason 'amount corrected' --ticket INC-7",
+        mut_arg("consumer", |a| a.required(true).help(
+            "Consumer name (the inbox key's second half); required: a replay acts on one row"
+        ))
+    )]
+    ReplayEdited(replay::ReplayEditedArgs),
     /// Recover messages whose path was lost: PROCESSING rows whose lease expired (a worker
     /// died or paused past its lease) and RETRYABLE_FAILED rows whose retry copy never came
     /// back (a deleted retry tier, a dropped dead-letter). Each is republished from its stored
@@ -188,6 +207,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Failures(args) => failures::run(&servers, args).await,
         Command::Redrive(args) => redrive::run(&servers, args).await,
         Command::Reopen(args) => reopen::run(&servers, args).await,
+        Command::ReplayEdited(args) => replay::run(&servers, args).await,
         Command::Recover(args) => recover::run(&servers, args).await,
         Command::Serve(args) => serve::run(&servers, args).await,
         Command::Doctor(args) => doctor::run(&servers, args).await,

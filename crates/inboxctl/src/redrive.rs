@@ -1,5 +1,6 @@
-//! `inboxctl redrive`: move parked messages back to the work queue after a fix, each one
-//! classified against its inbox row first.
+//! `inboxctl redrive`: move parked messages back to the work queue after a fix (or, with
+//! `--discard`, remove the copies of parked rows), each one classified against its inbox row
+//! first.
 
 use std::process::ExitCode;
 
@@ -24,7 +25,8 @@ pub(crate) struct RedriveArgs {
     /// The parking-lot queue, when not `<queue>.parking-lot`.
     #[arg(long)]
     parking_queue: Option<String>,
-    /// Report what the run would do (would_move, would_remove), changing nothing.
+    /// Report what the run would do (would_move, would_remove, would_discard), changing
+    /// nothing.
     #[arg(long)]
     dry_run: bool,
     /// Only this message type.
@@ -39,10 +41,13 @@ pub(crate) struct RedriveArgs {
     /// Only copies parked before (RFC 3339, or a duration ago).
     #[arg(long, value_parser = when::instant)]
     until: Option<chrono::DateTime<chrono::Utc>>,
-    /// At most this many moves per second.
+    /// Only the copies of this inbox key; repeat for several (all keys when omitted).
+    #[arg(long = "message-id", value_name = "ID")]
+    message_ids: Vec<String>,
+    /// At most this many moves (or discards) per second.
     #[arg(long)]
     rate: Option<f64>,
-    /// At most this many messages moved.
+    /// At most this many messages moved (or discarded).
     #[arg(long)]
     limit: Option<u64>,
     /// Also replay messages whose inbox row retention removed (their effect applies again)
@@ -53,6 +58,12 @@ pub(crate) struct RedriveArgs {
     /// in the parking lot; audited. (A copy left by a killed redrive is removed without it.)
     #[arg(long)]
     drop_processed: bool,
+    /// Remove the selected copies whose row is parked (PERMANENT_FAILED, POISONED,
+    /// MANUAL_REVIEW) instead of moving them: each removal is audited (discard) before its copy
+    /// is acked, and the row keeps its status and data. Copies of other rows are left where
+    /// they are. Not with --force or --drop-processed.
+    #[arg(long, conflicts_with_all = ["force", "drop_processed"])]
+    discard: bool,
     #[command(flatten)]
     actor: ActorArgs,
 }
@@ -81,9 +92,13 @@ pub(crate) async fn run(servers: &Servers, args: RedriveArgs) -> anyhow::Result<
         limit: args.limit,
         force: args.force,
         drop_processed: args.drop_processed,
+        discard: args.discard,
+        message_ids: args.message_ids.clone(),
     };
     let result = {
-        let bar = args.inbox.progress("redrive");
+        let bar = args
+            .inbox
+            .progress(if args.discard { "discard" } else { "redrive" });
         ops.redrive(&lot, &request, actor.as_ref(), &bar).await
     };
     lot.close().await;

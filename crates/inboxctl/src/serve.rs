@@ -94,6 +94,12 @@ pub(crate) struct ServeArgs {
     /// dedup-window headroom gauge is measured against it.
     #[arg(long, value_name = "SECS")]
     replay_window_secs: Option<u64>,
+    /// A Prometheus server that evaluates the shipped alert rules
+    /// (deploy/prometheus/rabbit-inbox-rules.yml), e.g. http://prometheus:9090: the console
+    /// shows their state. Without it the console evaluates the same conditions from the inbox
+    /// tables.
+    #[arg(long, value_name = "URL", env = "INBOX_PROMETHEUS_URL")]
+    prometheus_url: Option<String>,
 }
 
 fn tokens(args: &ServeArgs) -> anyhow::Result<Tokens> {
@@ -200,6 +206,7 @@ pub(crate) async fn run(servers: &Servers, args: ServeArgs) -> anyhow::Result<Ex
         queues: args.queues.topology(),
         tokens,
         metrics: Some(metrics),
+        prometheus_url: args.prometheus_url.clone(),
     };
     inbox_admin::serve(listener, state, options, rabbit_inbox::shutdown_signal()).await?;
     samplers.abort_all();

@@ -72,7 +72,8 @@ pub enum AuditWriter {
     Recovery,
     /// `cleanup`, `cleanup_forced`.
     Retention,
-    /// `reopen`, `forced_replay`, `redrive`, `redrive_drop_processed`, `redrive_drop_redriven`.
+    /// `reopen`, `forced_replay`, `redrive`, `redrive_drop_processed`, `redrive_drop_redriven`,
+    /// `replay_edited`, `discard` (the last two from migration `0013`).
     Operation,
     /// `payload_read`.
     Read,
@@ -98,7 +99,9 @@ impl AuditWriter {
             | "forced_replay"
             | "redrive"
             | "redrive_drop_processed"
-            | "redrive_drop_redriven" => AuditWriter::Operation,
+            | "redrive_drop_redriven"
+            | "replay_edited"
+            | "discard" => AuditWriter::Operation,
             "payload_read" => AuditWriter::Read,
             _ => return None,
         })
@@ -126,8 +129,9 @@ const AUDIT_ARGS: &str = "text, text, text, text, text, text, jsonb";
 
 /// The library's tables an operator reads (and an admin writes). Tables an application keeps
 /// in the same schema are not among them.
-const INBOX_TABLES: [&str; 6] = [
+const INBOX_TABLES: [&str; 7] = [
     "message_inbox",
+    "inbox_event",
     "inbox_tombstone",
     "inbox_archive",
     "inbox_retention_mark",

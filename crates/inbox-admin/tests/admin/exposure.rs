@@ -668,8 +668,16 @@ async fn responses_carry_nosniff_no_store_and_the_dashboard_a_policy() {
         "{policy}"
     );
     assert_eq!(header(&page, "x-content-type-options"), "nosniff");
-    for asset in ["/assets/app.js", "/assets/app.css", "/healthz"] {
+    for (asset, kind) in [
+        ("/assets/app.js", "text/javascript"),
+        ("/assets/app.css", "text/css"),
+        ("/assets/uplot.js", "text/javascript"),
+        ("/assets/uplot.css", "text/css"),
+        ("/healthz", "text/plain"),
+    ] {
         let r = get(asset, None).await;
+        assert_eq!(r.status(), StatusCode::OK, "{asset}");
         assert_eq!(header(&r, "x-content-type-options"), "nosniff", "{asset}");
+        assert!(header(&r, "content-type").starts_with(kind), "{asset}");
     }
 }

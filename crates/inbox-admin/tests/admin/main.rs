@@ -4,6 +4,8 @@
 //! queues, removed afterwards, also when it fails.
 
 mod api;
+mod browser;
+mod console_api;
 mod dashboard;
 mod exposure;
 mod util;

@@ -30,13 +30,17 @@ pub(crate) const PAYLOAD_TOKEN: &str = "4c8e2a6f0b3d5e7a9c1e3f5b7d9a2c4e";
 pub(crate) const ADMIN_TOKEN: &str = "e7d5c3b1a9f8e6d4c2b0a8f6e4d2c0b9";
 pub(crate) const REFUSED_TYPE: &str = "RefundRequested";
 pub(crate) const REFUSED_CODE: &str = "refund_unsupported";
+/// A type whose body the handler checks: a negative amount is refused permanently.
+pub(crate) const CAPTURE_TYPE: &str = "PaymentCaptured";
+pub(crate) const NEGATIVE_CODE: &str = "negative_amount";
 
 /// Where in-process requests are addressed: a loopback address nothing needs to listen on.
 pub(crate) const LOCAL: &str = "127.0.0.1:9480";
 
-/// Processes everything but refunds, which it refuses permanently.
+/// Processes everything but refunds, which it refuses permanently, and payment captures with a
+/// negative amount (a body an operator can correct).
 #[derive(Clone)]
-struct OrderHandler;
+pub(crate) struct OrderHandler;
 
 impl Handler for OrderHandler {
     async fn handle(
@@ -49,6 +53,15 @@ impl Handler for OrderHandler {
                 REFUSED_CODE,
                 "refunds are not supported yet",
             ));
+        }
+        if msg.message_type() == CAPTURE_TYPE {
+            let body: Value = msg.decode()?;
+            if body["amount"].as_i64().is_none_or(|amount| amount < 0) {
+                return Err(HandlerError::permanent(
+                    NEGATIVE_CODE,
+                    "a capture needs a non-negative amount",
+                ));
+            }
         }
         Ok(())
     }
@@ -179,6 +192,7 @@ impl Fixture {
             queues: Some((self.topology.clone(), test_retry())),
             tokens,
             metrics,
+            prometheus_url: None,
         }
     }
 

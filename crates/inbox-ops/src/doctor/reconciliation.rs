@@ -186,7 +186,7 @@ impl Operations {
 
         let parked_rows = sqlx::query(AssertSqlSafe(format!(
             "SELECT consumer_name, message_id FROM {} \
-             WHERE status IN ('PERMANENT_FAILED', 'POISONED') \
+             WHERE status IN ('PERMANENT_FAILED', 'POISONED') AND discarded_at IS NULL \
                AND ($1::text IS NULL OR consumer_name = $1) \
                AND coalesce(last_failed_at, last_received_at) < $2 \
              ORDER BY first_received_at",

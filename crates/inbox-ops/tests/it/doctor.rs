@@ -196,7 +196,7 @@ async fn a_primary_key_without_consumer_name_fails() {
     let config = env.config(CONSUMER, env.topology("invoices"));
     env.declare(&config).await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "ALTER TABLE \"{}\".message_inbox DROP CONSTRAINT message_inbox_pkey, \
+        "ALTER TABLE \"{}\".message_inbox DROP CONSTRAINT message_inbox_pkey CASCADE, \
            ADD PRIMARY KEY (message_id)",
         env.schema
     )))

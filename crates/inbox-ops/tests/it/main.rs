@@ -3,7 +3,9 @@
 //! queues, removed afterwards.
 
 mod doctor;
+mod history;
 mod ops_inspect;
 mod ops_recover;
 mod ops_redrive;
+mod replay;
 mod retention;

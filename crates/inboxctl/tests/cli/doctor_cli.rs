@@ -85,7 +85,7 @@ async fn doctor_exit_code_and_json_say_the_worst_finding() {
 
     // Keyed by message id alone: deduplication across consumers is broken.
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "ALTER TABLE \"{schema}\".message_inbox DROP CONSTRAINT message_inbox_pkey, \
+        "ALTER TABLE \"{schema}\".message_inbox DROP CONSTRAINT message_inbox_pkey CASCADE, \
            ADD PRIMARY KEY (message_id)"
     )))
     .execute(&pool)

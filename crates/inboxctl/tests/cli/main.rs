@@ -1,12 +1,13 @@
 //! The operator tool's integration tests, one binary: the built `inboxctl` run as an operator
-//! runs it (`migrate`, `status`, `list`, `show`, `failures`, `redrive`, `reopen`, `recover`,
-//! `cleanup`, `grants`, `doctor`), against the real PostgreSQL and RabbitMQ (`DATABASE_URL`,
-//! `AMQP_URL`; see the test kit) and RabbitMQ's management API. Each test works in its own
-//! schema and queues, removed afterwards.
+//! runs it (`migrate`, `status`, `list`, `show`, `failures`, `redrive`, `reopen`,
+//! `replay-edited`, `recover`, `cleanup`, `grants`, `doctor`), against the real PostgreSQL and
+//! RabbitMQ (`DATABASE_URL`, `AMQP_URL`; see the test kit) and RabbitMQ's management API. Each
+//! test works in its own schema and queues, removed afterwards.
 
 mod cleanup_cli;
 mod common;
 mod doctor_cli;
 mod ops_commands;
 mod recover_cli;
+mod replay_cli;
 mod simultaneous_start;

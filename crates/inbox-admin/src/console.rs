@@ -1,0 +1,579 @@
+//! The endpoints behind the console's views: per-minute activity for the charts, alerts, a
+//! message's timeline, the audit trail, bulk actions run in the background with progress, and
+//! edit-and-replay. Like [`crate::api`], each handler parses its request and calls
+//! [`Operations`](inbox_ops::Operations); the rules live in the operations.
+
+use std::{
+    collections::VecDeque,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use axum::{
+    Extension, Json,
+    extract::State,
+    http::StatusCode,
+    response::{IntoResponse, Response},
+};
+use chrono::{DateTime, Utc};
+use inbox_ops::{
+    ActivityQuery, ActivityReport, AlertQuery, AuditEntry, AuditFilter, LedgerAlert, Progress,
+    RedriveReport, ReplayEditedReport, ReplayEditedRequest, Timeline, WorkQueue,
+};
+use rabbit_inbox::broker::Broker;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+
+use crate::{
+    BROKER_TIMEOUT, Server,
+    api::{
+        RedriveBody, actor, duration, given, instant, parking_lot, required_parking_lot,
+        sees_payloads,
+    },
+    auth::Caller,
+    error::{ApiError, Body, Params, Segments, spawn_for_request},
+};
+
+/// Query of `GET /api/v1/activity`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct ActivityParams {
+    /// One consumer, or all.
+    consumer: Option<String>,
+    /// How far back (default `1h`, at most `7d`).
+    window: Option<String>,
+    /// Bucket width (default `1m`; at most 1500 buckets per window).
+    bucket: Option<String>,
+}
+
+/// Per consumer and time bucket: messages processed, duplicate deliveries dropped, attempts
+/// that failed and wait for a retry, messages parked, conflicting bodies, and the p50/p99 time
+/// from first receipt to processed. From the ledger: the processed rows' BRIN index and the
+/// history table's recent entries, not a scan of the inbox.
+#[utoipa::path(get, path = "/api/v1/activity", tag = "inspection", params(ActivityParams),
+    security(("bearer" = [])),
+    responses((status = 200, description = "ActivityReport", body = serde_json::Value),
+        (status = 400, description = "bad window or bucket")))]
+pub(crate) async fn activity(
+    State(state): State<Arc<Server>>,
+    Params(p): Params<ActivityParams>,
+) -> Result<Json<ActivityReport>, ApiError> {
+    let mut query = ActivityQuery {
+        consumer: given(&p.consumer).map(str::to_owned),
+        ..ActivityQuery::default()
+    };
+    if let Some(window) = given(&p.window) {
+        query.window = duration("window", window)?;
+    }
+    if let Some(bucket) = given(&p.bucket) {
+        query.bucket = duration("bucket", bucket)?;
+    }
+    Ok(Json(state.ops.activity(&query).await?))
+}
+
+/// What `GET /api/v1/alerts` returns.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct AlertsResponse {
+    /// `prometheus` (the shipped rules' state, from the configured Prometheus) or `ledger`
+    /// (the same conditions evaluated from the inbox tables).
+    source: &'static str,
+    /// Firing (and, from Prometheus, pending) alerts.
+    #[schema(value_type = Vec<Object>)]
+    alerts: Vec<ShownAlert>,
+    /// Why the source could not be read, when it could not; `alerts` is then empty.
+    error: Option<String>,
+}
+
+/// One alert as the console shows it.
+#[derive(Debug, Serialize)]
+pub(crate) struct ShownAlert {
+    name: String,
+    severity: String,
+    consumer: Option<String>,
+    summary: String,
+    /// `firing` or `pending`.
+    state: String,
+}
+
+impl From<LedgerAlert> for ShownAlert {
+    fn from(a: LedgerAlert) -> Self {
+        Self {
+            name: a.name,
+            severity: a.severity,
+            consumer: Some(a.consumer),
+            summary: a.summary,
+            state: "firing".into(),
+        }
+    }
+}
+
+/// The shipped alert rules' state: from Prometheus when the server was given its URL (alerts
+/// whose names start with `Inbox`), otherwise the same conditions evaluated from the ledger.
+#[utoipa::path(get, path = "/api/v1/alerts", tag = "inspection",
+    security(("bearer" = [])),
+    responses((status = 200, description = "AlertsResponse", body = AlertsResponse)))]
+pub(crate) async fn alerts(
+    State(state): State<Arc<Server>>,
+) -> Result<Json<AlertsResponse>, ApiError> {
+    if let Some(url) = &state.prometheus_url {
+        return Ok(Json(match prometheus_alerts(url).await {
+            Ok(alerts) => AlertsResponse {
+                source: "prometheus",
+                alerts,
+                error: None,
+            },
+            Err(why) => {
+                tracing::warn!(error = %why, "admin API: reading Prometheus's alerts failed");
+                AlertsResponse {
+                    source: "prometheus",
+                    alerts: Vec::new(),
+                    error: Some("Prometheus did not answer; the server's log has why".into()),
+                }
+            }
+        }));
+    }
+    let mut query = AlertQuery::default();
+    if let Some((_, retry)) = &state.queues {
+        query.retry_delays = retry.delays.clone();
+        query.stale_after = retry.stale_processing_after;
+    }
+    let alerts = state.ops.alerts(&query).await?;
+    Ok(Json(AlertsResponse {
+        source: "ledger",
+        alerts: alerts.into_iter().map(ShownAlert::from).collect(),
+        error: None,
+    }))
+}
+
+/// The shipped rules' alerts from Prometheus's `/api/v1/alerts`.
+async fn prometheus_alerts(base: &str) -> Result<Vec<ShownAlert>, String> {
+    #[derive(Deserialize)]
+    struct Answer {
+        data: Data,
+    }
+    #[derive(Deserialize)]
+    struct Data {
+        alerts: Vec<Alert>,
+    }
+    #[derive(Deserialize)]
+    struct Alert {
+        labels: std::collections::HashMap<String, String>,
+        #[serde(default)]
+        annotations: std::collections::HashMap<String, String>,
+        state: String,
+    }
+    let url = format!("{}/api/v1/alerts", base.trim_end_matches('/'));
+    let answer: Answer = reqwest::Client::new()
+        .get(&url)
+        .timeout(BROKER_TIMEOUT)
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .map_err(|e| e.to_string())?
+        .json()
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(answer
+        .data
+        .alerts
+        .into_iter()
+        .filter_map(|mut a| {
+            let name = a.labels.remove("alertname")?;
+            name.starts_with("Inbox").then(|| ShownAlert {
+                name,
+                severity: a.labels.remove("severity").unwrap_or_default(),
+                consumer: a.labels.remove("consumer"),
+                summary: a
+                    .annotations
+                    .remove("summary")
+                    .or_else(|| a.annotations.remove("description"))
+                    .unwrap_or_default(),
+                state: a.state,
+            })
+        })
+        .collect())
+}
+
+/// `GET /api/v1/messages/{consumer}/{message_id}/timeline`.
+#[derive(Debug, Serialize)]
+pub(crate) struct TimelineResponse {
+    #[serde(flatten)]
+    timeline: Timeline,
+    /// Error texts were left out: the token lacks `read:payload`.
+    payload_hidden: bool,
+}
+
+/// What happened to one message, oldest first: receipt, each attempt with its error and the
+/// retry tier it waited in, parking, duplicates and conflicting bodies, processing, and each
+/// audited operator action (redrive, reopen, recovery, replay, discard, reads). Error texts
+/// go to `read:payload` and admin tokens only, and such a read is audited.
+#[utoipa::path(get, path = "/api/v1/messages/{consumer}/{message_id}/timeline",
+    tag = "inspection",
+    params(("consumer" = String, Path, description = "Consumer name"),
+        ("message_id" = String, Path, description = "The inbox key (percent-encoded)")),
+    security(("bearer" = [])),
+    responses((status = 200, description = "Timeline and payload_hidden", body = serde_json::Value),
+        (status = 400, description = "no trace of the message")))]
+pub(crate) async fn timeline(
+    State(state): State<Arc<Server>>,
+    caller: Option<Extension<Caller>>,
+    Segments((consumer, message_id)): Segments<(String, String)>,
+) -> Result<Json<TimelineResponse>, ApiError> {
+    let tiers = state
+        .queues
+        .as_ref()
+        .map(|(topology, retry)| topology.retry_tier_queues(retry))
+        .unwrap_or_default();
+    let mut timeline = state.ops.timeline(&consumer, &message_id, &tiers).await?;
+    let caller = caller.map(|Extension(c)| c);
+    let payload_hidden = !sees_payloads(caller.as_ref());
+    let has_texts = timeline.entries.iter().any(|e| e.error_message.is_some());
+    match &caller {
+        Some(caller) if !payload_hidden && has_texts => {
+            let actor = inbox_ops::Actor::new(
+                &caller.name,
+                "message error texts read through the admin API",
+            )?;
+            let details = serde_json::json!({
+                "scope": caller.scope.to_string(),
+                "read": "timeline error texts",
+            });
+            // Written before the texts leave: no audit row, no texts.
+            state
+                .ops
+                .audit_payload_read(&actor, &consumer, &message_id, details)
+                .await?;
+        }
+        _ => {}
+    }
+    if payload_hidden {
+        for entry in &mut timeline.entries {
+            entry.error_message = None;
+        }
+    }
+    Ok(Json(TimelineResponse {
+        timeline,
+        payload_hidden,
+    }))
+}
+
+/// Query of `GET /api/v1/audit`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct AuditParams {
+    /// Only entries of this actor (a token's name).
+    actor: Option<String>,
+    /// Only this action (`redrive`, `discard`, `replay_edited`, ...).
+    action: Option<String>,
+    /// Only this consumer.
+    consumer: Option<String>,
+    /// Only entries at or after (RFC 3339, or a duration ago such as `2h`).
+    since: Option<String>,
+    /// Most entries, newest first, 1 to 1000 (default 200).
+    limit: Option<u32>,
+}
+
+/// The audit trail, newest first: who did what to which message, why, under which ticket.
+#[utoipa::path(get, path = "/api/v1/audit", tag = "inspection", params(AuditParams),
+    security(("bearer" = [])),
+    responses((status = 200, description = "AuditEntry list", body = serde_json::Value),
+        (status = 400, description = "bad filter")))]
+pub(crate) async fn audit(
+    State(state): State<Arc<Server>>,
+    Params(p): Params<AuditParams>,
+) -> Result<Json<Vec<AuditEntry>>, ApiError> {
+    let filter = AuditFilter {
+        actor: given(&p.actor).map(str::to_owned),
+        action: given(&p.action).map(str::to_owned),
+        consumer: given(&p.consumer).map(str::to_owned),
+        since: given(&p.since).map(|s| instant("since", s)).transpose()?,
+        limit: p.limit.unwrap_or(200),
+    };
+    Ok(Json(state.ops.audit_trail(&filter).await?))
+}
+
+/// A bulk action.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum JobAction {
+    /// Move parked copies back to the work queue.
+    Redrive,
+    /// Remove parked copies of parked rows (rows kept).
+    Discard,
+}
+
+/// Body of `POST /api/v1/jobs`: the action and the same fields as `POST /api/v1/redrive`
+/// (`dry_run` must be false: a preview is answered at once by the action's own endpoint).
+#[derive(Debug, Deserialize, ToSchema)]
+pub(crate) struct JobBody {
+    action: JobAction,
+    #[serde(flatten)]
+    body: RedriveBody,
+}
+
+/// When a job finished, and its report or why it failed.
+type JobOutcome = (DateTime<Utc>, Result<RedriveReport, String>);
+
+/// A bulk action running (or run) in the background.
+pub(crate) struct Job {
+    id: String,
+    action: JobAction,
+    actor: String,
+    started_at: DateTime<Utc>,
+    total: AtomicU64,
+    done: AtomicU64,
+    outcome: Mutex<Option<JobOutcome>>,
+}
+
+impl Progress for Job {
+    fn set_total(&self, total: u64) {
+        self.total.store(total, Ordering::Relaxed);
+    }
+
+    fn advance(&self, n: u64) {
+        self.done.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// How a job looks to the caller.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct JobView {
+    id: String,
+    action: JobAction,
+    /// The token's name the actions are audited under.
+    actor: String,
+    /// `running`, `done` or `failed`.
+    state: &'static str,
+    /// Parked copies to examine (known once the walk starts), and how many are done.
+    total: u64,
+    done: u64,
+    started_at: DateTime<Utc>,
+    finished_at: Option<DateTime<Utc>>,
+    /// The action's report, once done.
+    #[schema(value_type = Option<Object>)]
+    report: Option<RedriveReport>,
+    /// Why it failed.
+    error: Option<String>,
+}
+
+impl Job {
+    fn view(&self) -> JobView {
+        let outcome = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
+        let (state, finished_at, report, error) = match &*outcome {
+            None => ("running", None, None, None),
+            Some((at, Ok(report))) => ("done", Some(*at), Some(report.clone()), None),
+            Some((at, Err(why))) => ("failed", Some(*at), None, Some(why.clone())),
+        };
+        JobView {
+            id: self.id.clone(),
+            action: self.action,
+            actor: self.actor.clone(),
+            state,
+            total: self.total.load(Ordering::Relaxed),
+            done: self.done.load(Ordering::Relaxed),
+            started_at: self.started_at,
+            finished_at,
+            report,
+            error,
+        }
+    }
+}
+
+/// The server's recent jobs: the running ones and the last finished ones.
+#[derive(Default)]
+pub(crate) struct Jobs(Mutex<VecDeque<Arc<Job>>>);
+
+/// Most jobs kept; the oldest finished one goes first.
+const KEPT_JOBS: usize = 100;
+
+impl Jobs {
+    fn add(&self, job: Arc<Job>) -> Result<(), ApiError> {
+        let mut jobs = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if jobs.len() >= KEPT_JOBS {
+            let finished = jobs.iter().position(|j| {
+                j.outcome
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .is_some()
+            });
+            match finished {
+                Some(i) => {
+                    jobs.remove(i);
+                }
+                None => {
+                    return Err(ApiError::too_many(
+                        format!("{KEPT_JOBS} jobs are running; wait for one to finish"),
+                        5,
+                    ));
+                }
+            }
+        }
+        jobs.push_back(job);
+        Ok(())
+    }
+
+    fn get(&self, id: &str) -> Option<Arc<Job>> {
+        let jobs = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        jobs.iter().find(|j| j.id == id).cloned()
+    }
+}
+
+/// Starts a redrive or discard in the background and answers at once (202) with the job to
+/// poll; each copy it moves or removes is audited as the action's own endpoint does.
+#[utoipa::path(post, path = "/api/v1/jobs", tag = "actions", request_body = JobBody,
+    security(("bearer" = [])),
+    responses((status = 202, description = "the job, running", body = JobView),
+        (status = 400, description = "bad request (a dry run belongs to the action's endpoint)"),
+        (status = 403, description = "not an admin token"),
+        (status = 409, description = "the server was started without --queue")))]
+pub(crate) async fn start_job(
+    State(state): State<Arc<Server>>,
+    Extension(caller): Extension<Caller>,
+    Body(job): Body<JobBody>,
+) -> Result<Response, ApiError> {
+    if job.body.dry_run {
+        return Err(ApiError::bad_request(
+            "a dry run is answered at once: POST it to /api/v1/redrive or /api/v1/discard",
+        ));
+    }
+    let actor = actor(&caller, &job.body.reason, job.body.ticket.as_deref())?;
+    let request = job.body.request(job.action == JobAction::Discard)?;
+    let lot = required_parking_lot(&state).await?;
+    let running = Arc::new(Job {
+        id: uuid::Uuid::new_v4().simple().to_string(),
+        action: job.action,
+        actor: caller.name.clone(),
+        started_at: Utc::now(),
+        total: AtomicU64::new(0),
+        done: AtomicU64::new(0),
+        outcome: Mutex::new(None),
+    });
+    state.jobs.add(running.clone())?;
+    let view = running.view();
+    let server = state.clone();
+    spawn_for_request(async move {
+        let report = server
+            .ops
+            .redrive(&lot, &request, Some(&actor), running.as_ref())
+            .await;
+        lot.close().await;
+        let outcome = report.map_err(|e| ApiError::from(e).message().to_owned());
+        *running.outcome.lock().unwrap_or_else(|e| e.into_inner()) = Some((Utc::now(), outcome));
+    });
+    Ok((StatusCode::ACCEPTED, Json(view)).into_response())
+}
+
+/// A job's progress, and its report once done.
+#[utoipa::path(get, path = "/api/v1/jobs/{id}", tag = "actions",
+    params(("id" = String, Path, description = "The job's id")),
+    security(("bearer" = [])),
+    responses((status = 200, description = "the job", body = JobView),
+        (status = 404, description = "no such job (or forgotten: the server keeps the last 100)")))]
+pub(crate) async fn job(
+    State(state): State<Arc<Server>>,
+    Segments((id,)): Segments<(String,)>,
+) -> Result<Json<JobView>, ApiError> {
+    state
+        .jobs
+        .get(&id)
+        .map(|j| Json(j.view()))
+        .ok_or_else(|| ApiError::not_found(format!("no job {id:?}")))
+}
+
+/// Body of `POST /api/v1/messages/{consumer}/{message_id}/replay-edited`.
+#[derive(Debug, Deserialize, ToSchema)]
+pub(crate) struct ReplayEditedBody {
+    /// The edited body (JSON when the original was JSON).
+    body: String,
+    /// Show the diff and the new id only; nothing is published or changed.
+    #[serde(default)]
+    dry_run: bool,
+    /// Why (written to the audit trail).
+    reason: String,
+    /// Ticket to cite beside the reason.
+    ticket: Option<String>,
+}
+
+/// Most bytes an edited body may have.
+const MAX_EDITED_BODY: usize = 1 << 20;
+
+/// Replays a parked message with an edited body as a new message: its id derives from the
+/// original's and the edit (the same edit twice gives the same id, which the inbox
+/// deduplicates); the original row becomes PROCESSED with `replaced_by`, its parked copy is
+/// removed, and the audit trail keeps both bodies' hashes and the changed paths. With
+/// `dry_run`, only the diff and the new id. The body follows the consumer's privacy policy as
+/// any delivery does.
+#[utoipa::path(post, path = "/api/v1/messages/{consumer}/{message_id}/replay-edited",
+    tag = "actions",
+    params(("consumer" = String, Path, description = "Consumer name"),
+        ("message_id" = String, Path, description = "The inbox key (percent-encoded)")),
+    request_body = ReplayEditedBody, security(("bearer" = [])),
+    responses((status = 200, description = "ReplayEditedReport", body = serde_json::Value),
+        (status = 400, description = "unknown message, nothing edited, invalid JSON"),
+        (status = 403, description = "not an admin token"),
+        (status = 409, description = "refused: the row is not parked, already replaced, or its body is not readable")))]
+pub(crate) async fn replay_edited(
+    State(state): State<Arc<Server>>,
+    Extension(caller): Extension<Caller>,
+    Segments((consumer, message_id)): Segments<(String, String)>,
+    Body(body): Body<ReplayEditedBody>,
+) -> Result<Json<ReplayEditedReport>, ApiError> {
+    let actor = actor(&caller, &body.reason, body.ticket.as_deref())?;
+    if body.body.len() > MAX_EDITED_BODY {
+        return Err(ApiError::bad_request(format!(
+            "the edited body is {} bytes; at most {MAX_EDITED_BODY} are accepted",
+            body.body.len()
+        )));
+    }
+    let request = ReplayEditedRequest {
+        consumer,
+        message_id,
+        body: body.body.into_bytes(),
+        dry_run: body.dry_run,
+    };
+    if request.dry_run {
+        let preview = state.ops.replay_edited_preview(&request).await?;
+        // The diff shows the original body: a read of it, audited before it leaves.
+        let details = serde_json::json!({
+            "scope": caller.scope.to_string(),
+            "read": "replay-edited preview (diff against the original body)",
+        });
+        state
+            .ops
+            .audit_payload_read(&actor, &request.consumer, &request.message_id, details)
+            .await?;
+        return Ok(Json(preview));
+    }
+    let Some((topology, _)) = &state.queues else {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "a replay publishes to the consumer's work queue: start the server with --queue",
+        ));
+    };
+    let broker = tokio::time::timeout(
+        BROKER_TIMEOUT,
+        Broker::connect(&state.amqp_url, "inbox-admin replay-edited"),
+    )
+    .await
+    .map_err(|_| ApiError::broker(&"no answer within the timeout"))?
+    .map_err(|e| ApiError::broker(&e))?;
+    let lot = match parking_lot(&state).await {
+        Ok(lot) => lot,
+        Err(e) => {
+            broker.close().await;
+            return Err(e);
+        }
+    };
+    let work = WorkQueue::new(&broker, &topology.queue);
+    let report = state
+        .ops
+        .replay_edited(&work, lot.as_ref(), &request, &actor)
+        .await;
+    if let Some(lot) = lot {
+        lot.close().await;
+    }
+    broker.close().await;
+    Ok(Json(report?))
+}
