@@ -7,6 +7,7 @@ const TOKEN_KEY = "inbox-admin-token";
 const LIVE_MS = 5000;
 const DEPTH_SAMPLES = 720; // an hour of samples at the live interval
 const PARKED = ["PERMANENT_FAILED", "POISONED", "MANUAL_REVIEW"];
+const ANY_STATUS = ["PROCESSING", "PROCESSED", "RETRYABLE_FAILED", ...PARKED].join(",");
 const $ = (id) => document.getElementById(id);
 
 let current = null; // the row shown in the detail view
@@ -15,6 +16,7 @@ let listQuery = null; // the message search's filter
 let listRows = []; // the rows of the page shown
 let bulkScope = null; // what a bulk action applies to
 let liveTimer = null;
+let lastStatus = null; // per consumer, from the latest status report
 const charts = new Map(); // chart key -> uPlot
 const cards = new Map(); // consumer -> its overview card's elements
 const depths = [[], [], []]; // time, work queue, parking lot
@@ -169,6 +171,7 @@ async function loadStatus() {
       `parking lot ${b.parking.queue}: ${b.parking.messages ?? "missing"} ready`
     : "";
   if (b) sampleDepths(report.at, b);
+  lastStatus = perConsumer;
   return perConsumer;
 }
 
@@ -352,6 +355,8 @@ function formFilter() {
   for (const input of $("search-form").querySelectorAll("input, select")) {
     if (input.value.trim()) filter[input.name] = input.value.trim();
   }
+  // An id names one message whatever its state: look in every status, not only open rows.
+  if (!filter.status && (filter.message_id || filter.correlation_id)) filter.status = ANY_STATUS;
   return filter;
 }
 
@@ -729,7 +734,7 @@ $("token-clear").addEventListener("click", () => {
   refresh().catch(showError);
 });
 $("refresh").addEventListener("click", () => refresh().catch(showError));
-$("window").addEventListener("change", () => loadActivity(null).catch(showError));
+$("window").addEventListener("change", () => loadActivity(lastStatus).catch(showError));
 $("live").addEventListener("change", setLive);
 $("search-form").addEventListener("submit", (e) => {
   e.preventDefault();

@@ -5,6 +5,7 @@
 
 mod api;
 mod browser;
+mod console;
 mod console_api;
 mod dashboard;
 mod exposure;
