@@ -230,8 +230,9 @@ function drawChart(key, container, series, data) {
       width,
       height: 180,
       series: [{}, ...series.map((s) => ({
+        // Points are drawn where the data is sparse (uPlot's default), so a single busy
+        // minute shows.
         label: s.label, stroke: s.stroke, width: 1.5, spanGaps: false,
-        points: { show: false },
       }))],
       axes: [{}, { size: 56 }],
       legend: { live: false },
@@ -316,7 +317,8 @@ async function loadAlerts() {
   for (const a of report.alerts) {
     const banner = el("div", null, "banner " + (a.severity === "critical" ? "critical" : "warning"));
     banner.dataset.alert = a.name;
-    banner.append(el("strong", a.name), el("span", `${a.consumer ? a.consumer + ": " : ""}${a.summary}`));
+    const prefix = a.consumer && !a.summary.startsWith(a.consumer + ":") ? a.consumer + ": " : "";
+    banner.append(el("strong", a.name), el("span", prefix + a.summary));
     box.appendChild(banner);
   }
   if (report.error) {
@@ -442,6 +444,7 @@ function renderTimeline(timeline) {
 }
 
 function field(k, v, onClick) {
+  if (v === null || v === undefined || v === "") return; // nothing to say
   const dt = el("dt", k);
   const dd = el("dd", onClick ? null : (v === null || v === undefined ? "" : v));
   if (onClick) dd.appendChild(action(v, onClick));

@@ -58,9 +58,9 @@ enum Command {
         after_help = "Example:\n  inboxctl status --schema billing --consumer invoicer --queue invoices"
     )]
     Status(status::StatusArgs),
-    /// List inbox rows by consumer, status, type, error code, aggregate, tenant and time,
-    /// oldest first, a page at a time (pass the printed cursor for the next page). Without
-    /// --status, every status but PROCESSED.
+    /// List inbox rows by consumer, status, type, error code, aggregate, tenant, message id,
+    /// correlation id and time, oldest first, a page at a time (pass the printed cursor for the
+    /// next page). Without --status, every status but PROCESSED.
     #[command(
         after_help = "Examples:\n  inboxctl list --schema billing --status POISONED --type InvoiceIssued --since 2h\n  inboxctl list --schema billing --json --limit 100 --cursor <next_cursor>"
     )]
@@ -84,7 +84,7 @@ enum Command {
     /// commits before its copy is published with a confirm, and the parked copy is acked
     /// last, so a redrive killed midway loses nothing and running it again finishes the job.
     /// --discard removes the copies of parked rows instead of moving them (each audited before
-    /// its ack; the rows stay as they are). --message-id (repeatable) acts on listed messages
+    /// its ack; the rows stay parked, as evidence). --message-id (repeatable) acts on listed messages
     /// only. --dry-run reports what the run would do. Any change needs --actor and --reason;
     /// exit code 1 if any message was refused.
     #[command(
@@ -147,8 +147,10 @@ enum Command {
     #[command(after_help = "Example:\n  \
         inboxctl grants --schema billing --role consumer --grantee billing_app | psql")]
     Grants(grants::GrantsArgs),
-    /// The admin HTTP API and dashboard: /healthz, /readyz, /metrics, JSON inspection and
-    /// operator actions under /api/v1 (OpenAPI at /api/v1/openapi.json), the dashboard at /.
+    /// The admin HTTP API and operator console: /healthz, /readyz, /metrics, JSON inspection,
+    /// history and operator actions under /api/v1 (OpenAPI at /api/v1/openapi.json), the
+    /// console at / (charts, alerts, message search and timelines, bulk actions, edit and
+    /// replay).
     /// Reads need a bearer token (payloads the read:payload or admin scope, audited), actions an
     /// admin token and a reason (audited under the token's name). Without tokens only a
     /// loopback address may be bound, payloads are hidden and actions refused. A non-loopback

@@ -60,8 +60,8 @@ pub(crate) struct RedriveArgs {
     drop_processed: bool,
     /// Remove the selected copies whose row is parked (PERMANENT_FAILED, POISONED,
     /// MANUAL_REVIEW) instead of moving them: each removal is audited (discard) before its copy
-    /// is acked, and the row keeps its status and data. Copies of other rows are left where
-    /// they are. Not with --force or --drop-processed.
+    /// is acked, and the row keeps its status and data, noting when its copy was discarded.
+    /// Copies of other rows are left where they are. Not with --force or --drop-processed.
     #[arg(long, conflicts_with_all = ["force", "drop_processed"])]
     discard: bool,
     #[command(flatten)]

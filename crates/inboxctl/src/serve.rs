@@ -1,4 +1,4 @@
-//! `inboxctl serve`: the admin HTTP API and dashboard (crate `inbox-admin`) over one inbox.
+//! `inboxctl serve`: the admin HTTP API and console (crate `inbox-admin`) over one inbox.
 
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
@@ -98,8 +98,17 @@ pub(crate) struct ServeArgs {
     /// (deploy/prometheus/rabbit-inbox-rules.yml), e.g. http://prometheus:9090: the console
     /// shows their state. Without it the console evaluates the same conditions from the inbox
     /// tables.
-    #[arg(long, value_name = "URL", env = "INBOX_PROMETHEUS_URL")]
+    #[arg(long, value_name = "URL", env = "INBOX_PROMETHEUS_URL", value_parser = http_url)]
     prometheus_url: Option<String>,
+}
+
+/// An `http://` or `https://` URL with a host.
+fn http_url(text: &str) -> Result<String, String> {
+    let url = reqwest::Url::parse(text).map_err(|e| format!("not a URL: {e}"))?;
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+        return Err("an http:// or https:// URL with a host is expected".into());
+    }
+    Ok(text.to_owned())
 }
 
 fn tokens(args: &ServeArgs) -> anyhow::Result<Tokens> {
@@ -188,7 +197,7 @@ pub(crate) async fn run(servers: &Servers, args: ServeArgs) -> anyhow::Result<Ex
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
     eprintln!(
-        "admin API and dashboard on {}://{} ({} read, {} read:payload, {} admin token(s)); \
+        "admin API and console on {}://{} ({} read, {} read:payload, {} admin token(s)); \
          Ctrl-C or SIGTERM to stop",
         if options.tls.is_some() {
             "https"
