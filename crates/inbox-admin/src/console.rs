@@ -134,7 +134,10 @@ pub(crate) async fn alerts(
             }
         }));
     }
-    let mut query = AlertQuery::default();
+    let mut query = AlertQuery {
+        replay_window: state.replay_window,
+        ..AlertQuery::default()
+    };
     if let Some((_, retry)) = &state.queues {
         query.retry_delays = retry.delays.clone();
         query.stale_after = retry.stale_processing_after;

@@ -78,6 +78,9 @@ pub struct AdminState {
     /// A Prometheus server evaluating the shipped alert rules: the console shows their state.
     /// Without it the console evaluates the same conditions from the ledger.
     pub prometheus_url: Option<String>,
+    /// The longest time after which a message may be delivered again: without Prometheus, the
+    /// console's dedup-window headroom alert is evaluated against it.
+    pub replay_window: Option<Duration>,
 }
 
 impl std::fmt::Debug for AdminState {
@@ -86,7 +89,9 @@ impl std::fmt::Debug for AdminState {
         f.debug_struct("AdminState")
             .field("ops", &self.ops)
             .field("queues", &self.queues)
-            .field("prometheus_url", &self.prometheus_url)
+            // Whether set only: the URL may hold credentials.
+            .field("prometheus_url", &self.prometheus_url.is_some())
+            .field("replay_window", &self.replay_window)
             .finish_non_exhaustive()
     }
 }

@@ -14,8 +14,9 @@
 //!   the parking lot in the hour (redriven, reopened); this counts only the growth.
 //! - `InboxDuplicateSpike`: duplicate deliveries (from `inbox_event`) per consumer; the rule's
 //!   split by reason is not kept in the ledger.
-//! - `InboxDedupWindowHeadroom` is left out: it compares the retained history with the
-//!   consumer's replay window, which is configuration, not in the ledger.
+//! - `InboxDedupWindowHeadroom`: with the replay window given ([`AlertQuery::replay_window`],
+//!   configuration the ledger does not hold), the retained PROCESSED history shorter than the
+//!   window while retention removed rows in the last day (tombstones), as the rule says.
 //!
 //! The rules over counters the ledger does not keep (poison rate, session losses, sampler
 //! errors) and over the outbox are not evaluated here.
@@ -39,6 +40,10 @@ pub const ALERT_PARKING_LOT_GROWING: &str = "InboxParkingLotGrowing";
 /// three times the rate of the hour before the last (info).
 pub const ALERT_DUPLICATE_SPIKE: &str = "InboxDuplicateSpike";
 
+/// `InboxDedupWindowHeadroom`: retention removes rows while the retained history is shorter
+/// than the replay window (critical).
+pub const ALERT_DEDUP_WINDOW_HEADROOM: &str = "InboxDedupWindowHeadroom";
+
 /// The rule's threshold: parked messages per hour.
 const PARKED_PER_HOUR: i64 = 100;
 /// The rule's windows and thresholds: duplicates over the last 10 minutes, against the hour
@@ -61,6 +66,9 @@ pub struct AlertQuery {
     pub retry_delays: Vec<Duration>,
     /// `InboxOldestUnprocessedAge` fires when a row has been overdue longer than this.
     pub oldest_unprocessed_after: Duration,
+    /// The longest time after which a message may be delivered again (DLQ replays, outbox
+    /// republishes); with it, the dedup-window headroom is evaluated too.
+    pub replay_window: Option<Duration>,
 }
 
 impl Default for AlertQuery {
@@ -71,6 +79,7 @@ impl Default for AlertQuery {
             stale_after: RetryPolicy::default().stale_processing_after,
             retry_delays: RetryPolicy::default().delays,
             oldest_unprocessed_after: Duration::from_secs(900),
+            replay_window: None,
         }
     }
 }
@@ -79,7 +88,8 @@ impl Default for AlertQuery {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct LedgerAlert {
     /// The rule's name ([`ALERT_STALE_PROCESSING`], [`ALERT_OLDEST_UNPROCESSED_AGE`],
-    /// [`ALERT_PARKING_LOT_GROWING`], [`ALERT_DUPLICATE_SPIKE`]).
+    /// [`ALERT_PARKING_LOT_GROWING`], [`ALERT_DUPLICATE_SPIKE`],
+    /// [`ALERT_DEDUP_WINDOW_HEADROOM`]).
     pub name: String,
     /// The rule's severity: `critical`, `warning` or `info`.
     pub severity: String,
@@ -233,7 +243,62 @@ impl Operations {
                 );
             }
         }
+        if let Some(window) = query.replay_window {
+            self.headroom_alerts(query.consumer.as_deref(), window, &mut alerts)
+                .await?;
+        }
         Ok(alerts.into_values().collect())
+    }
+
+    /// `InboxDedupWindowHeadroom` per consumer with processed rows: the history's reach past
+    /// `window` (the store's query, as the sampler's gauge), alerting when it is negative and
+    /// retention removed rows of the consumer in the last day.
+    async fn headroom_alerts(
+        &self,
+        consumer: Option<&str>,
+        window: Duration,
+        alerts: &mut BTreeMap<(String, &'static str), LedgerAlert>,
+    ) -> Result<(), OpsError> {
+        let t = self.schema.qualify("message_inbox");
+        let tombstones = self.schema.qualify("inbox_tombstone");
+        let consumers: Vec<String> = sqlx::query_scalar(sql(format!(
+            "WITH RECURSIVE {consumers} \
+             SELECT c.consumer_name FROM consumers c \
+             WHERE EXISTS (SELECT FROM {tombstones} d WHERE d.consumer_name = c.consumer_name \
+               AND d.removed_at > now() - interval '1 day')",
+            consumers = consumers_of("consumers", &t, "", "$1"),
+        )))
+        .persistent(false)
+        .bind(consumer)
+        .fetch_all(&self.pool)
+        .await?;
+        let store = rabbit_inbox::store::InboxStore::new(self.schema.clone());
+        let mut conn = self.pool.acquire().await?;
+        for consumer in consumers {
+            let Some(headroom) = store
+                .dedup_window_headroom(&mut conn, &consumer, window)
+                .await?
+            else {
+                continue;
+            };
+            if headroom < 0.0 {
+                alerts.insert(
+                    (consumer.clone(), ALERT_DEDUP_WINDOW_HEADROOM),
+                    LedgerAlert::new(
+                        ALERT_DEDUP_WINDOW_HEADROOM,
+                        "critical",
+                        &consumer,
+                        headroom,
+                        format!(
+                            "{consumer}: retention deletes processed rows {} short of the \
+                             replay window; a message replayed that late runs its effect again",
+                            rabbit_inbox::retention::human(Duration::from_secs_f64(-headroom))
+                        ),
+                    ),
+                );
+            }
+        }
+        Ok(())
     }
 }
 

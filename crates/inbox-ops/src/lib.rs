@@ -29,8 +29,8 @@ mod retention;
 
 pub use activity::{ActivityBucket, ActivityQuery, ActivityReport, ConsumerActivity};
 pub use alerts::{
-    ALERT_DUPLICATE_SPIKE, ALERT_OLDEST_UNPROCESSED_AGE, ALERT_PARKING_LOT_GROWING,
-    ALERT_STALE_PROCESSING, AlertQuery, LedgerAlert,
+    ALERT_DEDUP_WINDOW_HEADROOM, ALERT_DUPLICATE_SPIKE, ALERT_OLDEST_UNPROCESSED_AGE,
+    ALERT_PARKING_LOT_GROWING, ALERT_STALE_PROCESSING, AlertQuery, LedgerAlert,
 };
 pub use audit::{AuditFilter, PAYLOAD_READ, audit};
 pub use doctor::{Area, Check, DoctorReport, DoctorRequest, Severity, check_ids};

@@ -91,7 +91,7 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
     sample_interval_secs: u64,
     /// The longest time after which a message may be delivered again, in seconds; the
-    /// dedup-window headroom gauge is measured against it.
+    /// dedup-window headroom gauge and the console's headroom alert are measured against it.
     #[arg(long, value_name = "SECS")]
     replay_window_secs: Option<u64>,
     /// A Prometheus server that evaluates the shipped alert rules
@@ -216,6 +216,7 @@ pub(crate) async fn run(servers: &Servers, args: ServeArgs) -> anyhow::Result<Ex
         tokens,
         metrics: Some(metrics),
         prometheus_url: args.prometheus_url.clone(),
+        replay_window: args.replay_window_secs.map(Duration::from_secs),
     };
     inbox_admin::serve(listener, state, options, rabbit_inbox::shutdown_signal()).await?;
     samplers.abort_all();

@@ -237,6 +237,7 @@ async fn readiness_fails_when_the_broker_is_unreachable_and_open_servers_stay_lo
         tokens: Tokens::none(),
         metrics: None,
         prometheus_url: None,
+        replay_window: None,
     };
     let e = inbox_admin::serve(listener, state, Default::default(), std::future::ready(()))
         .await
@@ -268,6 +269,7 @@ async fn readiness_fails_when_the_broker_is_unreachable_and_open_servers_stay_lo
         tokens: Tokens::none(),
         metrics: None,
         prometheus_url: None,
+        replay_window: None,
     };
     let server = tokio::spawn(inbox_admin::serve(
         listener,

@@ -193,6 +193,7 @@ impl Fixture {
             tokens,
             metrics,
             prometheus_url: None,
+            replay_window: None,
         }
     }
 

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use inbox_ops::{
-    ALERT_DUPLICATE_SPIKE, ALERT_OLDEST_UNPROCESSED_AGE, ALERT_PARKING_LOT_GROWING,
-    ALERT_STALE_PROCESSING, ActivityBucket, ActivityQuery, Actor, AlertQuery, ListFilter,
-    Operations, OpsError, TimelineKind,
+    ALERT_DEDUP_WINDOW_HEADROOM, ALERT_DUPLICATE_SPIKE, ALERT_OLDEST_UNPROCESSED_AGE,
+    ALERT_PARKING_LOT_GROWING, ALERT_STALE_PROCESSING, ActivityBucket, ActivityQuery, Actor,
+    AlertQuery, ListFilter, Operations, OpsError, TimelineKind,
 };
 use inbox_testkit::env::{Rule, TestEnv, message};
 use rabbit_inbox::{InboxStatus, broker::OutgoingMessage};
@@ -755,4 +755,55 @@ async fn alerts_name_a_stale_claim_and_a_growing_parking_lot_and_spare_a_quiet_c
         .map(|a| a.name)
         .collect();
     assert_eq!(names, [ALERT_PARKING_LOT_GROWING]);
+}
+
+#[tokio::test]
+async fn the_headroom_alert_needs_a_replay_window_and_recent_retention() {
+    let env = TestEnv::new().await;
+    // Processed history reaching 2 hours back; retention removed an older row an hour ago.
+    exec(
+        &env,
+        "INSERT INTO {s}.message_inbox (message_id, consumer_name, message_type, \
+           message_version, status, processing_attempt, first_received_at, processed_at, \
+           payload_sha256) \
+         SELECT 'h-' || g, 'ledger', 'Thing', 1, 'PROCESSED', 1, now() - g * interval '1 hour', \
+           now() - g * interval '1 hour', sha256(('h-' || g)::bytea) \
+         FROM generate_series(1, 2) AS g; \
+         INSERT INTO {s}.inbox_tombstone (message_id, consumer_name, payload_sha256, \
+           final_status, message_type, first_received_at, processed_at, removed_at) \
+         VALUES ('h-9', 'ledger', sha256('h-9'::bytea), 'PROCESSED', 'Thing', \
+           now() - interval '9 hours', now() - interval '9 hours', now() - interval '1 hour');",
+    )
+    .await;
+    let ops = ops(&env);
+    let names = async |window: Option<Duration>| -> Vec<String> {
+        ops.alerts(&AlertQuery {
+            replay_window: window,
+            ..AlertQuery::default()
+        })
+        .await
+        .expect("alerts")
+        .into_iter()
+        .map(|a| a.name)
+        .collect()
+    };
+    assert!(names(None).await.is_empty(), "no window, no verdict");
+    // Two hours of history against a one-hour window: headroom.
+    assert!(names(Some(Duration::from_secs(3600))).await.is_empty());
+    // Against a day: retention deletes inside the window.
+    let alerts = ops
+        .alerts(&AlertQuery {
+            replay_window: Some(Duration::from_secs(86_400)),
+            ..AlertQuery::default()
+        })
+        .await
+        .expect("alerts");
+    assert_eq!(alerts.len(), 1, "{alerts:?}");
+    assert_eq!(alerts[0].name, ALERT_DEDUP_WINDOW_HEADROOM);
+    assert_eq!(alerts[0].consumer, "ledger");
+    assert_eq!(alerts[0].severity, "critical");
+    assert!(alerts[0].value < -20.0 * 3600.0, "{alerts:?}");
+    // Without retention's deletions in the last day the short history is young, not lost.
+    exec(&env, "DELETE FROM {s}.inbox_tombstone").await;
+    assert!(names(Some(Duration::from_secs(86_400))).await.is_empty());
 }
