@@ -1,10 +1,11 @@
-//! Admin HTTP API and dashboard for rabbit-inbox.
+//! Admin HTTP API and operator console for rabbit-inbox.
 //!
 //! Probes (`/healthz`, `/readyz`), `/metrics`, JSON inspection endpoints and audited operator
 //! actions under `/api/v1`, its OpenAPI description at `/api/v1/openapi.json`, and the
 //! operator console at `/` (overview with live charts and alerts, message search and timeline,
-//! bulk actions with preview and progress, edit-and-replay). Every endpoint is glue over [`inbox_ops::Operations`]: the operations
-//! are written once, in the library, and the CLI and this server only front them.
+//! bulk actions with preview and progress, edit-and-replay). Every endpoint is glue over
+//! [`inbox_ops::Operations`]: the operations are written once, in the library, and the CLI and
+//! this server only front them.
 //!
 //! **Access:** read endpoints need a token of any scope (`read`, `read:payload`, `admin`);
 //! messages' payloads, headers and error texts need `read:payload` (or `admin`), and each such

@@ -69,18 +69,12 @@ CREATE TRIGGER message_inbox_event_on_update
 -- Edit and replay: a parked row whose body was wrong is resolved by a corrected copy published
 -- under a new id. The row becomes PROCESSED (its effect is the replacement's, so a late copy
 -- of it is a duplicate) and names the replacement; the replacement's row is found through the
--- partial index below. Nullable without a default: no rewrite.
+-- partial index of migration 0014. Nullable without a default: no rewrite.
 ALTER TABLE message_inbox ADD COLUMN replaced_by TEXT;
-CREATE INDEX idx_message_inbox_replaced_by
-    ON message_inbox (consumer_name, replaced_by) WHERE replaced_by IS NOT NULL;
 
 -- A discard removes a parked row's copy from the parking lot on purpose (audited); the row stays
 -- parked as evidence and says when its copy went, so reconciliation does not report it lost.
 ALTER TABLE message_inbox ADD COLUMN discarded_at TIMESTAMPTZ;
-
--- Correlation ids are searched in the console: one lookup, not a scan.
-CREATE INDEX idx_message_inbox_correlation
-    ON message_inbox (correlation_id) WHERE correlation_id IS NOT NULL;
 
 -- The operator actions this adds: replay of an edited body, and discarding parked copies.
 CREATE OR REPLACE FUNCTION inbox_audit_operation(p_action TEXT, p_actor TEXT, p_consumer TEXT,
