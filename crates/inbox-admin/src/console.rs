@@ -456,13 +456,25 @@ pub(crate) async fn start_job(
     state.jobs.add(running.clone())?;
     let view = running.view();
     let server = state.clone();
-    spawn_for_request(async move {
+    let progress = running.clone();
+    // The run in a task of its own, awaited by the one that records its outcome: a run that
+    // panics is reported failed instead of showing as running for ever.
+    let run = spawn_for_request(async move {
         let report = server
             .ops
-            .redrive(&lot, &request, Some(&actor), running.as_ref())
+            .redrive(&lot, &request, Some(&actor), progress.as_ref())
             .await;
         lot.close().await;
-        let outcome = report.map_err(|e| ApiError::from(e).message().to_owned());
+        report
+    });
+    spawn_for_request(async move {
+        let outcome = match run.await {
+            Ok(report) => report.map_err(|e| ApiError::from(e).message().to_owned()),
+            Err(e) => {
+                tracing::error!(error = %e, "admin API: a bulk job stopped unexpectedly");
+                Err("the job stopped unexpectedly; the server's log has why".to_owned())
+            }
+        };
         *running.outcome.lock().unwrap_or_else(|e| e.into_inner()) = Some((Utc::now(), outcome));
     });
     Ok((StatusCode::ACCEPTED, Json(view)).into_response())
