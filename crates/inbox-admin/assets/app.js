@@ -221,7 +221,9 @@ function windowParams() {
 function drawChart(key, container, series, data) {
   let u = charts.get(key);
   const width = Math.max(320, container.clientWidth || 600);
-  if (u && u.series.length !== series.length + 1) {
+  // Recreated when its series change (the latency chart's source can).
+  if (u && (u.series.length !== series.length + 1 ||
+      series.some((s, i) => u.series[i + 1].label !== s.label))) {
     u.destroy();
     u = null;
   }
@@ -290,10 +292,19 @@ async function loadActivity(perConsumer) {
       { label: "conflicts", stroke: "#333" },
     ], [xs, pick("processed"), pick("duplicates"), pick("retried"), pick("parked"),
       pick("conflicts")]);
+    // The consumer's own histogram when Prometheus scrapes it, else the ledger's rows; the
+    // two measure different spans, so the label says which one is drawn.
+    const fromMetrics = (report.latency_sources || {})[c.consumer] === "metrics";
     drawChart(`latency:${c.consumer}`, card.latency, [
-      { label: "p50 ms, receipt to processed", stroke: "#1450a0" },
+      {
+        label: fromMetrics
+          ? "p50 ms, receipt to settlement (consumer metrics)"
+          : "p50 ms, first receipt to processed (ledger)",
+        stroke: "#1450a0",
+      },
       { label: "p99 ms", stroke: "#c9302c" },
     ], [xs, pick("latency_p50_ms"), pick("latency_p99_ms")]);
+    card.latency.dataset.source = fromMetrics ? "metrics" : "ledger";
     const s = (perConsumer && perConsumer.get(c.consumer)) || { oldest: null, open: 0, byStatus: {} };
     card.figures.replaceChildren();
     figure(card.figures, "processed", total("processed"));

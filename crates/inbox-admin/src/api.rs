@@ -623,6 +623,7 @@ pub(crate) struct ReopenBody {
         ("message_id" = String, Path, description = "The inbox key (percent-encoded)")),
     request_body = ReopenBody, security(("bearer" = [])),
     responses((status = 200, description = "Reopened", body = serde_json::Value),
+        (status = 404, description = "no inbox row for the message"),
         (status = 409, description = "refused (PROCESSED without force_replay, PROCESSING)")))]
 pub(crate) async fn reopen(
     State(state): State<Arc<Server>>,

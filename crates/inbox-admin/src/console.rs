@@ -4,7 +4,7 @@
 //! [`Operations`](inbox_ops::Operations); the rules live in the operations.
 
 use std::{
-    collections::VecDeque,
+    collections::{BTreeMap, VecDeque},
     sync::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering},
@@ -34,6 +34,7 @@ use crate::{
     },
     auth::Caller,
     error::{ApiError, Body, Params, Segments, spawn_for_request},
+    prometheus::RuleAlert,
 };
 
 /// Query of `GET /api/v1/activity`.
@@ -48,18 +49,35 @@ pub(crate) struct ActivityParams {
     bucket: Option<String>,
 }
 
+/// What `GET /api/v1/activity` returns: the ledger's report, its latency replaced by the
+/// consumers' own metrics where Prometheus has them.
+#[derive(Debug, Serialize)]
+pub(crate) struct ActivityResponse {
+    #[serde(flatten)]
+    report: ActivityReport,
+    /// Per consumer of the report, what its `latency_p50_ms`/`latency_p99_ms` measure:
+    /// `metrics` (receipt to settlement of each delivery, from the consumer's
+    /// `rabbit_inbox_delivery_to_settle_seconds` histogram in the configured Prometheus) or
+    /// `ledger` (first receipt to processed, retry waits included, from the inbox rows).
+    latency_sources: BTreeMap<String, &'static str>,
+    /// Why the configured Prometheus could not be read; the ledger's latency is shown then.
+    latency_error: Option<String>,
+}
+
 /// Per consumer and time bucket: messages processed, duplicate deliveries dropped, attempts
-/// that failed and wait for a retry, messages parked, conflicting bodies, and the p50/p99 time
-/// from first receipt to processed. From the ledger: the processed rows' BRIN index and the
-/// history table's recent entries, not a scan of the inbox.
+/// that failed and wait for a retry, messages parked, conflicting bodies, and p50/p99
+/// latency. The counts come from the ledger (the processed rows' BRIN index and the history
+/// table's recent entries, not a scan of the inbox); the latency from the consumer's metrics
+/// when a Prometheus is configured and scrapes them, else from the ledger (first receipt to
+/// processed).
 #[utoipa::path(get, path = "/api/v1/activity", tag = "inspection", params(ActivityParams),
     security(("bearer" = [])),
-    responses((status = 200, description = "ActivityReport", body = serde_json::Value),
+    responses((status = 200, description = "ActivityReport with latency_sources and latency_error", body = serde_json::Value),
         (status = 400, description = "bad window or bucket")))]
 pub(crate) async fn activity(
     State(state): State<Arc<Server>>,
     Params(p): Params<ActivityParams>,
-) -> Result<Json<ActivityReport>, ApiError> {
+) -> Result<Json<ActivityResponse>, ApiError> {
     let mut query = ActivityQuery {
         consumer: given(&p.consumer).map(str::to_owned),
         ..ActivityQuery::default()
@@ -70,8 +88,48 @@ pub(crate) async fn activity(
     if let Some(bucket) = given(&p.bucket) {
         query.bucket = duration("bucket", bucket)?;
     }
-    Ok(Json(state.ops.activity(&query).await?))
+    let mut report = state.ops.activity(&query).await?;
+    let mut latency_sources: BTreeMap<String, &'static str> = report
+        .consumers
+        .iter()
+        .map(|c| (c.consumer.clone(), "ledger"))
+        .collect();
+    let mut latency_error = None;
+    if let Some(prometheus) = &state.prometheus {
+        let count = report.consumers.first().map_or(0, |c| c.buckets.len());
+        let width = std::time::Duration::from_secs(report.bucket_secs);
+        match prometheus
+            .latency(query.consumer.as_deref(), report.from, width, count)
+            .await
+        {
+            Ok(mut measured) => {
+                for c in &mut report.consumers {
+                    let Some(points) = measured.remove(&c.consumer) else {
+                        continue;
+                    };
+                    for (bucket, (p50, p99)) in c.buckets.iter_mut().zip(points) {
+                        bucket.latency_p50_ms = p50;
+                        bucket.latency_p99_ms = p99;
+                    }
+                    latency_sources.insert(c.consumer.clone(), "metrics");
+                }
+            }
+            Err(why) => {
+                tracing::warn!(error = %why, "admin API: reading latency from Prometheus failed");
+                latency_error = Some(PROMETHEUS_DOWN.into());
+            }
+        }
+    }
+    Ok(Json(ActivityResponse {
+        report,
+        latency_sources,
+        latency_error,
+    }))
 }
+
+/// What the browser is told when Prometheus fails: its address and the client's error text
+/// stay in the server's log.
+const PROMETHEUS_DOWN: &str = "Prometheus did not answer; the server's log has why";
 
 /// What `GET /api/v1/alerts` returns.
 #[derive(Debug, Serialize, ToSchema)]
@@ -97,6 +155,18 @@ pub(crate) struct ShownAlert {
     state: String,
 }
 
+impl From<RuleAlert> for ShownAlert {
+    fn from(a: RuleAlert) -> Self {
+        Self {
+            name: a.name,
+            severity: a.severity,
+            consumer: a.consumer,
+            summary: a.summary,
+            state: a.state,
+        }
+    }
+}
+
 impl From<LedgerAlert> for ShownAlert {
     fn from(a: LedgerAlert) -> Self {
         Self {
@@ -117,11 +187,11 @@ impl From<LedgerAlert> for ShownAlert {
 pub(crate) async fn alerts(
     State(state): State<Arc<Server>>,
 ) -> Result<Json<AlertsResponse>, ApiError> {
-    if let Some(url) = &state.prometheus_url {
-        return Ok(Json(match prometheus_alerts(url).await {
+    if let Some(prometheus) = &state.prometheus {
+        return Ok(Json(match prometheus.alerts().await {
             Ok(alerts) => AlertsResponse {
                 source: "prometheus",
-                alerts,
+                alerts: alerts.into_iter().map(ShownAlert::from).collect(),
                 error: None,
             },
             Err(why) => {
@@ -129,7 +199,7 @@ pub(crate) async fn alerts(
                 AlertsResponse {
                     source: "prometheus",
                     alerts: Vec::new(),
-                    error: Some("Prometheus did not answer; the server's log has why".into()),
+                    error: Some(PROMETHEUS_DOWN.into()),
                 }
             }
         }));
@@ -148,55 +218,6 @@ pub(crate) async fn alerts(
         alerts: alerts.into_iter().map(ShownAlert::from).collect(),
         error: None,
     }))
-}
-
-/// The shipped rules' alerts from Prometheus's `/api/v1/alerts`.
-async fn prometheus_alerts(base: &str) -> Result<Vec<ShownAlert>, String> {
-    #[derive(Deserialize)]
-    struct Answer {
-        data: Data,
-    }
-    #[derive(Deserialize)]
-    struct Data {
-        alerts: Vec<Alert>,
-    }
-    #[derive(Deserialize)]
-    struct Alert {
-        labels: std::collections::HashMap<String, String>,
-        #[serde(default)]
-        annotations: std::collections::HashMap<String, String>,
-        state: String,
-    }
-    let url = format!("{}/api/v1/alerts", base.trim_end_matches('/'));
-    let answer: Answer = reqwest::Client::new()
-        .get(&url)
-        .timeout(BROKER_TIMEOUT)
-        .send()
-        .await
-        .and_then(reqwest::Response::error_for_status)
-        .map_err(|e| e.to_string())?
-        .json()
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(answer
-        .data
-        .alerts
-        .into_iter()
-        .filter_map(|mut a| {
-            let name = a.labels.remove("alertname")?;
-            name.starts_with("Inbox").then(|| ShownAlert {
-                name,
-                severity: a.labels.remove("severity").unwrap_or_default(),
-                consumer: a.labels.remove("consumer"),
-                summary: a
-                    .annotations
-                    .remove("summary")
-                    .or_else(|| a.annotations.remove("description"))
-                    .unwrap_or_default(),
-                state: a.state,
-            })
-        })
-        .collect())
 }
 
 /// `GET /api/v1/messages/{consumer}/{message_id}/timeline`.
@@ -218,7 +239,7 @@ pub(crate) struct TimelineResponse {
         ("message_id" = String, Path, description = "The inbox key (percent-encoded)")),
     security(("bearer" = [])),
     responses((status = 200, description = "Timeline and payload_hidden", body = serde_json::Value),
-        (status = 400, description = "no trace of the message")))]
+        (status = 404, description = "no trace of the message")))]
 pub(crate) async fn timeline(
     State(state): State<Arc<Server>>,
     caller: Option<Extension<Caller>>,
@@ -526,7 +547,8 @@ const MAX_EDITED_BODY: usize = 1 << 20;
         ("message_id" = String, Path, description = "The inbox key (percent-encoded)")),
     request_body = ReplayEditedBody, security(("bearer" = [])),
     responses((status = 200, description = "ReplayEditedReport", body = serde_json::Value),
-        (status = 400, description = "unknown message, nothing edited, invalid JSON"),
+        (status = 400, description = "nothing edited, invalid JSON"),
+        (status = 404, description = "no inbox row for the message"),
         (status = 403, description = "not an admin token"),
         (status = 409, description = "refused: the row is not parked, already replaced, or its body is not readable")))]
 pub(crate) async fn replay_edited(

@@ -127,6 +127,7 @@ impl From<OpsError> for ApiError {
     fn from(e: OpsError) -> Self {
         match &e {
             OpsError::Invalid(_) => Self::bad_request(e.to_string()),
+            OpsError::NotFound(_) => Self::not_found(e.to_string()),
             OpsError::Refused(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
             OpsError::Store(_) => {
                 Self::internal(StatusCode::SERVICE_UNAVAILABLE, "the inbox database", &e)

@@ -32,6 +32,7 @@ mod guard;
 mod health;
 mod host;
 mod listen;
+mod prometheus;
 
 use std::{future::Future, net::SocketAddr, ops::Deref, sync::Arc, time::Duration};
 
@@ -76,8 +77,9 @@ pub struct AdminState {
     pub tokens: Tokens,
     /// This process's Prometheus recorder, rendered at `/metrics`.
     pub metrics: Option<PrometheusHandle>,
-    /// A Prometheus server evaluating the shipped alert rules: the console shows their state.
-    /// Without it the console evaluates the same conditions from the ledger.
+    /// A Prometheus server evaluating the shipped alert rules and scraping the consumers: the
+    /// console shows the rules' state and the consumers' latency quantiles. Without it the
+    /// console evaluates the same conditions, and a latency, from the ledger.
     pub prometheus_url: Option<String>,
     /// The longest time after which a message may be delivered again: without Prometheus, the
     /// console's dedup-window headroom alert is evaluated against it.
@@ -131,6 +133,8 @@ pub(crate) struct Server {
     readiness: health::Readiness,
     insecure_http: bool,
     jobs: console::Jobs,
+    /// A client of `admin.prometheus_url`.
+    prometheus: Option<prometheus::Prometheus>,
 }
 
 impl Deref for Server {
@@ -259,6 +263,10 @@ fn build(
 ) -> Result<(Arc<Server>, Router), ServeError> {
     let hosts = options.check(addr, &state.tokens)?;
     let server = Arc::new(Server {
+        prometheus: state
+            .prometheus_url
+            .as_deref()
+            .map(prometheus::Prometheus::new),
         admin: state,
         throttle: guard::FailureThrottle::default(),
         readiness: health::Readiness::default(),

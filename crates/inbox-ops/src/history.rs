@@ -260,7 +260,7 @@ impl Operations {
     ///
     /// Entries with the same instant come in the order they happen (receipt, attempt,
     /// failure, ..., processing). A message unknown to the consumer (no row, no tombstone, no
-    /// audit entry, and not named as another row's replacement) is [`OpsError::Invalid`].
+    /// audit entry, and not named as another row's replacement) is [`OpsError::NotFound`].
     pub async fn timeline(
         &self,
         consumer: &str,
@@ -323,7 +323,7 @@ impl Operations {
         let replaced_by: Option<String> = head.try_get("replaced_by")?;
         let replaces: Option<String> = head.try_get("replaces")?;
         if status.is_none() && tombstone.is_none() && audit.is_empty() && replaces.is_none() {
-            return Err(OpsError::Invalid(format!(
+            return Err(OpsError::NotFound(format!(
                 "no message {message_id} for consumer {consumer}: no row, tombstone or audit \
                  entry"
             )));

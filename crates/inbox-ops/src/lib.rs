@@ -159,9 +159,12 @@ impl Progress for NoProgress {}
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum OpsError {
-    /// The request itself is wrong (missing actor or reason, bad filter, unknown message).
+    /// The request itself is wrong (missing actor or reason, bad filter).
     #[error("{0}")]
     Invalid(String),
+    /// The message it names has no row, tombstone or audit entry for that consumer.
+    #[error("{0}")]
+    NotFound(String),
     /// The operation would be unsafe and was refused; the message says what would force it.
     #[error("refused: {0}")]
     Refused(String),

@@ -74,7 +74,7 @@ pub(super) async fn reopen_row(
                  reopen: republish the message and redrive it with --force, giving an actor \
                  and a reason"
             )),
-            None => OpsError::Invalid(format!(
+            None => OpsError::NotFound(format!(
                 "no inbox row for {message_id} and consumer {consumer}"
             )),
         });

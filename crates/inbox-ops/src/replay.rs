@@ -430,7 +430,9 @@ impl Operations {
                     "retention removed the row of {id} for {consumer} on {at}, and its body with \
                      it: there is nothing to edit; the producer must send a corrected message"
                 )),
-                None => OpsError::Invalid(format!("no inbox row for {id} and consumer {consumer}")),
+                None => {
+                    OpsError::NotFound(format!("no inbox row for {id} and consumer {consumer}"))
+                }
             });
         };
         let status: InboxStatus = row.try_get::<String, _>("status")?.parse()?;

@@ -44,7 +44,7 @@ pub(crate) async fn run(servers: &Servers, args: ReopenArgs) -> anyhow::Result<E
         }
         // Refused, or no such row (a mistyped id, another consumer's, a row retention
         // removed without a tombstone): nothing to reopen, like a refusal.
-        Err(e @ (OpsError::Refused(_) | OpsError::Invalid(_))) => {
+        Err(e @ (OpsError::Refused(_) | OpsError::Invalid(_) | OpsError::NotFound(_))) => {
             eprintln!("{e}");
             Ok(ExitCode::FAILURE)
         }

@@ -95,7 +95,7 @@ pub(crate) async fn run(servers: &Servers, args: ReplayEditedArgs) -> anyhow::Re
     let report = match result {
         Ok(report) => report,
         // Refused, or a request that cannot be (no such row, nothing edited, not JSON).
-        Err(e @ (OpsError::Refused(_) | OpsError::Invalid(_))) => {
+        Err(e @ (OpsError::Refused(_) | OpsError::Invalid(_) | OpsError::NotFound(_))) => {
             eprintln!("{e}");
             return Ok(ExitCode::FAILURE);
         }

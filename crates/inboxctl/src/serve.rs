@@ -95,9 +95,10 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "SECS")]
     replay_window_secs: Option<u64>,
     /// A Prometheus server that evaluates the shipped alert rules
-    /// (deploy/prometheus/rabbit-inbox-rules.yml), e.g. http://prometheus:9090: the console
-    /// shows their state. Without it the console evaluates the same conditions from the inbox
-    /// tables.
+    /// (deploy/prometheus/rabbit-inbox-rules.yml) and scrapes the consumers, e.g.
+    /// http://prometheus:9090: the console shows the rules' state and the consumers' p50/p99
+    /// receipt-to-settlement latency. Without it the console evaluates the same conditions,
+    /// and a latency from first receipt to processed, from the inbox tables.
     #[arg(long, value_name = "URL", env = "INBOX_PROMETHEUS_URL", value_parser = http_url)]
     prometheus_url: Option<String>,
 }

@@ -195,7 +195,13 @@ async fn a_timeline_shows_error_texts_only_to_the_payload_scope_and_audits_the_r
             Some(READ_TOKEN),
         )
         .await;
-    assert_eq!(code, StatusCode::BAD_REQUEST, "{err}");
+    assert_eq!(code, StatusCode::NOT_FOUND, "{err}");
+    assert!(
+        err["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("never-seen")),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,4 +9,5 @@ mod console;
 mod console_api;
 mod dashboard;
 mod exposure;
+mod prometheus;
 mod util;

@@ -264,8 +264,8 @@ async fn a_timeline_tells_what_happened_to_a_message() {
     // Unknown to this consumer (and the key of another consumer's message).
     for (consumer, id) in [(CONSUMER, "inv-never"), ("someone-else", "inv-ok")] {
         match ops.timeline(consumer, id, &[]).await {
-            Err(OpsError::Invalid(e)) => assert!(e.contains(id), "{e}"),
-            other => panic!("expected Invalid, got {other:?}"),
+            Err(OpsError::NotFound(e)) => assert!(e.contains(id), "{e}"),
+            other => panic!("expected NotFound, got {other:?}"),
         }
     }
 

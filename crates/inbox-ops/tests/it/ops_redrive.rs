@@ -448,7 +448,7 @@ async fn reopen_and_forced_replay_are_audited_and_refused_without_force() {
     }
     assert!(matches!(
         ops.reopen("inv-never", CONSUMER, &actor, false).await,
-        Err(OpsError::Invalid(_))
+        Err(OpsError::NotFound(_))
     ));
     // A row recovery set aside for review is reopened like a parked one.
     sqlx::query(sqlx::AssertSqlSafe(format!(

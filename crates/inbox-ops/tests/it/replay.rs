@@ -340,7 +340,7 @@ async fn a_replay_is_refused_unless_a_parked_row_is_really_edited() {
                 .await;
             let expected = match &result {
                 Err(OpsError::Refused(m)) => refused && m.contains(says),
-                Err(OpsError::Invalid(m)) => !refused && m.contains(says),
+                Err(OpsError::Invalid(m) | OpsError::NotFound(m)) => !refused && m.contains(says),
                 _ => false,
             };
             assert!(expected, "{id} {says:?} (dry run {dry_run}): {result:?}");
