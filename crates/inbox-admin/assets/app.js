@@ -5,7 +5,6 @@
 
 const TOKEN_KEY = "inbox-admin-token";
 const LIVE_MS = 5000;
-const DEPTH_SAMPLES = 720; // an hour of samples at the live interval
 const PARKED = ["PERMANENT_FAILED", "POISONED", "MANUAL_REVIEW"];
 const ANY_STATUS = ["PROCESSING", "PROCESSED", "RETRYABLE_FAILED", ...PARKED].join(",");
 const $ = (id) => document.getElementById(id);
@@ -18,8 +17,8 @@ let bulkScope = null; // what a bulk action applies to
 let liveTimer = null;
 let lastStatus = null; // per consumer, from the latest status report
 const charts = new Map(); // chart key -> uPlot
+const xRanges = new Map(); // chart key -> [from, to] in seconds, for charts that span a window
 const cards = new Map(); // consumer -> its overview card's elements
-const depths = [[], [], []]; // time, work queue, parking lot
 
 function token() {
   return sessionStorage.getItem(TOKEN_KEY) || "";
@@ -170,22 +169,27 @@ async function loadStatus() {
     ? `work queue ${b.work.queue}: ${b.work.messages ?? "missing"} ready; ` +
       `parking lot ${b.parking.queue}: ${b.parking.messages ?? "missing"} ready`
     : "";
-  if (b) sampleDepths(report.at, b);
   lastStatus = perConsumer;
   return perConsumer;
 }
 
-function sampleDepths(at, b) {
-  depths[0].push(Date.parse(at) / 1000);
-  depths[1].push(b.work.messages ?? null);
-  depths[2].push(b.parking.messages ?? null);
-  if (depths[0].length > DEPTH_SAMPLES) depths.forEach((s) => s.shift());
+// The server samples the queues every 15 s and keeps a day, so the chart has the night's
+// history as soon as the page opens; a read also takes a fresh sample, so it moves live.
+async function loadDepths() {
+  const report = await api("/api/v1/depths?window=" + ($("window").value === "24h" ? "24h" : "1h"));
+  if (!report.queues) return;
+  const q = report.queues;
+  const xs = report.samples.map((s) => Date.parse(s.at) / 1000);
+  const pick = (k) => report.samples.map((s) => s[k] ?? null);
+  const to = Date.now() / 1000;
+  xRanges.set("depths", [to - ($("window").value === "24h" ? 86400 : 3600), to]);
   $("depth-card").hidden = false;
   drawChart("depths", $("depth-chart"), [
-    { label: `work (${b.work.queue})`, stroke: "#1450a0" },
-    { label: `parking lot (${b.parking.queue})`, stroke: "#c9302c" },
-  ], depths);
-  $("depth-chart").dataset.samples = String(depths[0].length);
+    { label: `work (${q.work})`, stroke: "#1450a0" },
+    { label: `retry tiers (${q.retry.length})`, stroke: "#d08a00" },
+    { label: `parking lot (${q.parking})`, stroke: "#c9302c" },
+  ], [xs, pick("work"), pick("retry"), pick("parking")]);
+  $("depth-chart").dataset.samples = String(xs.length);
 }
 
 async function loadFailures() {
@@ -236,6 +240,9 @@ function drawChart(key, container, series, data) {
         // minute shows.
         label: s.label, stroke: s.stroke, width: 1.5, spanGaps: false,
       }))],
+      // A chart given a window spans it, however few its samples (one sample would
+      // otherwise stretch the axis over years).
+      scales: { x: { time: true, range: (self, min, max) => xRanges.get(key) || [min, max] } },
       axes: [{}, { size: 56 }],
       legend: { live: false },
     }, data, container);
@@ -340,7 +347,9 @@ async function loadAlerts() {
 
 async function refresh() {
   showError(null);
-  const [perConsumer] = await Promise.all([loadStatus(), loadFailures(), loadAlerts()]);
+  const [perConsumer] = await Promise.all([
+    loadStatus(), loadFailures(), loadAlerts(), loadDepths(),
+  ]);
   await loadActivity(perConsumer);
   $("updated").textContent = "updated " + new Date().toLocaleTimeString();
 }

@@ -27,6 +27,7 @@ mod api;
 mod auth;
 mod console;
 mod dashboard;
+mod depths;
 mod error;
 mod guard;
 mod health;
@@ -135,6 +136,8 @@ pub(crate) struct Server {
     jobs: console::Jobs,
     /// A client of `admin.prometheus_url`.
     prometheus: Option<prometheus::Prometheus>,
+    /// The queues' depths over the last day.
+    depths: depths::DepthHistory,
 }
 
 impl Deref for Server {
@@ -158,6 +161,7 @@ fn api_routes(state: &Arc<Server>) -> OpenApiRouter<Arc<Server>> {
         .routes(routes!(api::failures))
         .routes(routes!(api::doctor))
         .routes(routes!(console::activity))
+        .routes(routes!(depths::depths))
         .routes(routes!(console::alerts))
         .routes(routes!(console::timeline))
         .routes(routes!(console::audit))
@@ -246,7 +250,7 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
 }
 
-/// Aborts the background task when the server stops.
+/// Aborts a background task when the server stops.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
@@ -272,6 +276,7 @@ fn build(
         readiness: health::Readiness::default(),
         insecure_http: options.serves_insecure_http(addr),
         jobs: console::Jobs::default(),
+        depths: depths::DepthHistory::default(),
     });
     let app = router(&server, hosts, options);
     Ok((server, app))
@@ -281,7 +286,8 @@ fn build(
 /// example with `tower::ServiceExt::oneshot`): the routes, tokens, `Host` check and headers
 /// of a server on `addr` with `options`, refused where [`serve`] refuses them. What the
 /// listener adds is left out: TLS itself, the connection limit and timeouts, the background
-/// readiness check (`/readyz` stays unchecked), and each request's peer address, which the
+/// readiness check (`/readyz` stays unchecked) and queue-depth sampler (`/api/v1/depths`
+/// samples only when read), and each request's peer address, which the
 /// failed-authentication throttle and the payload audit read from a
 /// `ConnectInfo<SocketAddr>` extension when the request carries one.
 pub fn app(
@@ -319,5 +325,6 @@ pub async fn serve(
         server.clone(),
         options.readiness_interval,
     )));
+    let _depths = AbortOnDrop(tokio::spawn(depths::sampler(Arc::downgrade(&server))));
     listen::run(listener, app, &options, tls, shutdown).await
 }

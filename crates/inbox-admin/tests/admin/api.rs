@@ -318,6 +318,7 @@ async fn the_openapi_document_describes_every_route() {
         "POST /api/v1/messages/{consumer}/{message_id}/reopen",
         "POST /api/v1/cleanup/dry-run",
         "GET /api/v1/activity",
+        "GET /api/v1/depths",
         "GET /api/v1/alerts",
         "GET /api/v1/messages/{consumer}/{message_id}/timeline",
         "GET /api/v1/audit",

@@ -493,3 +493,86 @@ async fn an_edited_body_is_previewed_then_replayed_as_a_new_message() {
     let (code, err) = app.post(&url, Some(ADMIN_TOKEN), body(edited, false)).await;
     assert_eq!(code, StatusCode::CONFLICT, "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_depths_are_sampled_by_the_server_and_kept_for_the_chart() {
+    // Served: the server samples the queues on its own from the start.
+    let fx = Fixture::new(None).await;
+    let http = reqwest::Client::new();
+    let url = format!("{}/api/v1/depths?window=1h", fx.base);
+    let (code, _) = crate::util::get(&http, &url, None).await;
+    assert_eq!(code, StatusCode::UNAUTHORIZED);
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let asked = chrono::Utc::now();
+    let (code, answer) = crate::util::get(&http, &url, Some(READ_TOKEN)).await;
+    assert_eq!(code, StatusCode::OK, "{answer}");
+    assert_eq!(answer["queues"]["work"], fx.topology.queue.as_str());
+    assert_eq!(
+        answer["queues"]["parking"],
+        fx.topology.parking_queue.as_str()
+    );
+    assert_eq!(
+        answer["queues"]["retry"],
+        json!(
+            fx.topology
+                .retry_tier_queues(&inbox_testkit::env::test_retry())
+        )
+    );
+    let samples = answer["samples"].as_array().expect("samples");
+    let first = &samples[0];
+    let at: chrono::DateTime<chrono::Utc> =
+        serde_json::from_value(first["at"].clone()).expect("an instant");
+    assert!(
+        at < asked,
+        "taken before any read, by the server: {answer:#}"
+    );
+    assert_eq!(
+        (&first["work"], &first["retry"], &first["parking"]),
+        (&json!(0), &json!(0), &json!(2)),
+        "{answer:#}"
+    );
+
+    // Three orders wait in the work queue (no consumer runs): a read a few seconds later takes
+    // a fresh sample and keeps the first.
+    for n in 0..3 {
+        let id = format!("waiting-{n}");
+        let order = message(Some(&id), "OrderPlaced", &json!({ "order": id }));
+        fx.env.publish(&fx.topology, &order).await;
+    }
+    let mut answer = Value::Null;
+    wait_for("a sample with the three waiting orders", async || {
+        answer = crate::util::get(&http, &url, Some(READ_TOKEN)).await.1;
+        answer["samples"]
+            .as_array()
+            .and_then(|s| s.last())
+            .is_some_and(|s| s["work"] == 3)
+    })
+    .await;
+    let samples = answer["samples"].as_array().expect("samples");
+    assert!(samples.len() >= 2, "{answer:#}");
+    assert_eq!(samples[0]["at"], first["at"], "the first sample is kept");
+
+    for bad in ["window=25h", "window=0s", "window=soon"] {
+        let (code, err) = crate::util::get(
+            &http,
+            &format!("{}/api/v1/depths?{bad}", fx.base),
+            Some(READ_TOKEN),
+        )
+        .await;
+        assert_eq!(code, StatusCode::BAD_REQUEST, "{bad}: {err}");
+    }
+
+    // A broker that does not answer: a sample without figures (a gap), not an error.
+    let mut state = fx.state(tokens(), None);
+    state.amqp_url = "amqp://guest:guest@127.0.0.1:1/%2f".into();
+    let unreachable = InProcess::new(state, crate::util::LOCAL, &Default::default());
+    let (code, answer) = unreachable.get("/api/v1/depths", Some(READ_TOKEN)).await;
+    assert_eq!(code, StatusCode::OK, "{answer}");
+    let gap = &answer["samples"][0];
+    assert!(gap["at"].is_string(), "{answer:#}");
+    assert_eq!(
+        (&gap["work"], &gap["parking"]),
+        (&Value::Null, &Value::Null),
+        "{answer:#}"
+    );
+}

@@ -1,0 +1,273 @@
+//! Queue depths over time: the work queue, its retry tiers (summed) and its parking lot, read
+//! by the server itself every [`SAMPLE_INTERVAL`] and kept for a day, so the console's depth
+//! chart has the night's history when it is opened, not only what the page saw while open.
+//!
+//! A read whose newest sample is older than [`FRESH`] takes one first, so a page refreshing
+//! every few seconds sees the queues move live (and a server without the background sampler,
+//! [`crate::app`], still answers). One broker connection serves both, kept open between
+//! samples and opened again after a failure; a sample the broker did not answer is kept with
+//! no figures, a gap in the chart.
+
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Mutex, PoisonError, Weak},
+    time::Duration,
+};
+
+use axum::{Json, extract::State};
+use chrono::{DateTime, Utc};
+use rabbit_inbox::{RetryPolicy, Topology, broker::Broker};
+use serde::{Deserialize, Serialize};
+use utoipa::IntoParams;
+
+use crate::{
+    BROKER_TIMEOUT, Server,
+    api::{duration, given},
+    error::{ApiError, Params},
+};
+
+/// How often the server samples the depths.
+pub(crate) const SAMPLE_INTERVAL: Duration = Duration::from_secs(15);
+/// A read takes a sample of its own when the newest one is older than this.
+const FRESH: Duration = Duration::from_secs(4);
+/// How long samples are kept.
+const KEEP: Duration = Duration::from_secs(24 * 3600);
+/// At most this many samples per answer (a day at 15 s is 5,760): the last of each slot.
+const MAX_POINTS: usize = 720;
+
+/// Ready messages at one instant; `None` where the broker did not answer.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub(crate) struct DepthSample {
+    at: DateTime<Utc>,
+    work: Option<u32>,
+    retry: Option<u32>,
+    parking: Option<u32>,
+}
+
+/// The samples and the connection they are read through.
+#[derive(Default)]
+pub(crate) struct DepthHistory {
+    samples: Mutex<VecDeque<DepthSample>>,
+    /// Also serialises sampling: one reader at a time, and a reader that waited for another
+    /// uses its fresh sample.
+    broker: tokio::sync::Mutex<Option<Broker>>,
+}
+
+impl std::fmt::Debug for DepthHistory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DepthHistory").finish_non_exhaustive()
+    }
+}
+
+impl DepthHistory {
+    fn newest(&self) -> Option<DepthSample> {
+        let samples = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
+        samples.back().copied()
+    }
+
+    fn is_fresh(&self, now: DateTime<Utc>, within: Duration) -> bool {
+        self.newest()
+            .is_some_and(|s| (now - s.at).to_std().is_ok_and(|age| age < within))
+    }
+
+    /// Reads the depths unless a sample younger than `within` exists.
+    async fn sample_unless_fresh(
+        &self,
+        amqp_url: &str,
+        topology: &Topology,
+        retry: &RetryPolicy,
+        within: Duration,
+    ) {
+        let mut broker = self.broker.lock().await;
+        if self.is_fresh(Utc::now(), within) {
+            return;
+        }
+        if broker.is_none() {
+            let connect = Broker::connect(amqp_url, "inbox-admin queue depths");
+            match tokio::time::timeout(BROKER_TIMEOUT, connect).await {
+                Ok(Ok(connected)) => *broker = Some(connected),
+                Ok(Err(e)) => tracing::debug!(error = %e, "queue depths: connecting failed"),
+                Err(_) => tracing::debug!("queue depths: connecting timed out"),
+            }
+        }
+        let depths = match broker.as_ref() {
+            Some(b) => {
+                match tokio::time::timeout(BROKER_TIMEOUT, b.queue_depths(topology, retry)).await {
+                    Ok(Ok(depths)) => Some(depths),
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "queue depths: reading failed");
+                        None
+                    }
+                    Err(_) => None,
+                }
+            }
+            None => None,
+        };
+        if depths.is_none() {
+            // A failed passive declare closes the channel: start afresh next time.
+            *broker = None;
+        }
+        let sample = DepthSample {
+            at: Utc::now(),
+            work: depths.map(|d| d.work),
+            retry: depths.map(|d| d.retry),
+            parking: depths.map(|d| d.parking),
+        };
+        let mut samples = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
+        samples.push_back(sample);
+        while samples
+            .front()
+            .is_some_and(|s| (sample.at - s.at).to_std().is_ok_and(|age| age > KEEP))
+        {
+            samples.pop_front();
+        }
+    }
+
+    /// The samples of the last `window`, at most [`MAX_POINTS`] of them.
+    fn recent(&self, now: DateTime<Utc>, window: Duration) -> Vec<DepthSample> {
+        let from = now - chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
+        let samples = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
+        let slot = (window.as_millis() / MAX_POINTS as u128).max(1) as i64;
+        let mut out: Vec<DepthSample> = Vec::new();
+        for s in samples.iter().filter(|s| s.at >= from) {
+            let same_slot = out.last().is_some_and(|last| {
+                last.at.timestamp_millis() / slot == s.at.timestamp_millis() / slot
+            });
+            if same_slot {
+                out.pop();
+            }
+            out.push(*s);
+        }
+        out
+    }
+}
+
+/// Samples the depths every [`SAMPLE_INTERVAL`] until the server is gone (or at once returns
+/// when it has no queues to sample).
+pub(crate) async fn sampler(server: Weak<Server>) {
+    loop {
+        {
+            let Some(server) = server.upgrade() else {
+                return;
+            };
+            let Some((topology, retry)) = &server.queues else {
+                return;
+            };
+            // Less than an interval: a sample a page asked for a moment ago is not repeated.
+            server
+                .depths
+                .sample_unless_fresh(&server.amqp_url, topology, retry, FRESH)
+                .await;
+        }
+        tokio::time::sleep(SAMPLE_INTERVAL).await;
+    }
+}
+
+/// Query of `GET /api/v1/depths`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct DepthParams {
+    /// How far back (default `1h`, at most `24h`).
+    window: Option<String>,
+}
+
+/// What `GET /api/v1/depths` returns.
+#[derive(Debug, Serialize)]
+pub(crate) struct DepthsResponse {
+    /// The queues sampled: `work`, `retry` (the tiers, whose depths are summed) and `parking`;
+    /// `null` when the server was not given the consumer's queues.
+    queues: Option<serde_json::Value>,
+    /// Seconds between the server's own samples.
+    interval_secs: u64,
+    /// Oldest first; a sample without figures is one the broker did not answer.
+    samples: Vec<DepthSample>,
+}
+
+/// Ready messages in the work queue, the retry tiers (summed) and the parking lot over time,
+/// sampled by the server every 15 s (and when read, if the newest sample is older than a few
+/// seconds) and kept for a day.
+#[utoipa::path(get, path = "/api/v1/depths", tag = "inspection", params(DepthParams),
+    security(("bearer" = [])),
+    responses((status = 200, description = "queues, interval_secs and samples", body = serde_json::Value),
+        (status = 400, description = "bad window")))]
+pub(crate) async fn depths(
+    State(state): State<Arc<Server>>,
+    Params(p): Params<DepthParams>,
+) -> Result<Json<DepthsResponse>, ApiError> {
+    let window = match given(&p.window) {
+        Some(w) => duration("window", w)?,
+        None => Duration::from_secs(3600),
+    };
+    if window > KEEP || window.is_zero() {
+        return Err(ApiError::bad_request(
+            "window: between 1s and 24h (the server keeps a day of samples)",
+        ));
+    }
+    let Some((topology, retry)) = &state.queues else {
+        return Ok(Json(DepthsResponse {
+            queues: None,
+            interval_secs: SAMPLE_INTERVAL.as_secs(),
+            samples: Vec::new(),
+        }));
+    };
+    state
+        .depths
+        .sample_unless_fresh(&state.amqp_url, topology, retry, FRESH)
+        .await;
+    Ok(Json(DepthsResponse {
+        queues: Some(serde_json::json!({
+            "work": topology.queue,
+            "retry": topology.retry_tier_queues(retry),
+            "parking": topology.parking_queue,
+        })),
+        interval_secs: SAMPLE_INTERVAL.as_secs(),
+        samples: state.depths.recent(Utc::now(), window),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn history(ats: &[i64]) -> DepthHistory {
+        let history = DepthHistory::default();
+        history
+            .samples
+            .lock()
+            .expect("not poisoned")
+            .extend(ats.iter().map(|&secs| DepthSample {
+                at: DateTime::from_timestamp(secs, 0).expect("an instant"),
+                work: Some(secs as u32),
+                retry: Some(0),
+                parking: None,
+            }));
+        history
+    }
+
+    #[test]
+    fn an_answer_keeps_the_window_and_the_last_sample_of_each_slot() {
+        let now = DateTime::from_timestamp(100_000, 0).expect("an instant");
+        // Every 5 s over two hours: 1,440 samples.
+        let history = history(&(100_000 - 7_200..=100_000).step_by(5).collect::<Vec<_>>());
+        let hour = history.recent(now, Duration::from_secs(3600));
+        assert!(hour.first().expect("samples").at >= now - chrono::Duration::hours(1));
+        assert_eq!(hour.last().expect("samples").at, now, "the newest is kept");
+        // 5 s slots for an hour: one sample per slot, 720 of them (plus the slot of `now`).
+        assert!(hour.len() <= MAX_POINTS + 1, "{}", hour.len());
+        assert!(hour.len() >= MAX_POINTS, "{}", hour.len());
+        assert!(hour.windows(2).all(|w| w[0].at < w[1].at));
+        // A day asked of two hours' samples: 2 minute slots, 60 or 61 of them.
+        let day = history.recent(now, Duration::from_secs(24 * 3600));
+        assert!((60..=61).contains(&day.len()), "{}", day.len());
+        assert_eq!(day.last().expect("samples").at, now);
+    }
+
+    #[test]
+    fn freshness_is_measured_from_the_newest_sample() {
+        let history = history(&[1_000]);
+        let at = |secs| DateTime::from_timestamp(secs, 0).expect("an instant");
+        assert!(history.is_fresh(at(1_003), FRESH));
+        assert!(!history.is_fresh(at(1_004), FRESH));
+        assert!(!DepthHistory::default().is_fresh(at(1_000), FRESH));
+    }
+}
