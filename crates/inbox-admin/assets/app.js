@@ -434,6 +434,7 @@ const KIND_LABELS = {
   parked_copy_confirmed: "parking-lot copy confirmed",
   recovered: "recovered",
   audit: "operator",
+  scrubbed: "body, headers and error texts scrubbed by retention",
   removed: "removed by retention",
 };
 

@@ -68,6 +68,9 @@ pub enum TimelineKind {
     /// replay, discard, payload read, cleanup, ...): [`TimelineEntry::action`], `actor`,
     /// `reason`, `ticket`.
     Audit,
+    /// Retention scrubbed the processed row: its body, headers and error text are gone (the
+    /// failed attempts' error texts too), its key, metadata and hash stay.
+    Scrubbed,
     /// Retention removed the row; [`TimelineEntry::status`] is its final status.
     Removed,
 }
@@ -88,7 +91,8 @@ impl TimelineKind {
             TimelineKind::Recovered => 8,
             TimelineKind::Audit => 9,
             TimelineKind::Processed => 10,
-            TimelineKind::Removed => 11,
+            TimelineKind::Scrubbed => 11,
+            TimelineKind::Removed => 12,
         }
     }
 }
@@ -241,6 +245,10 @@ fn event_entry(row: &PgRow, tiers: &[String]) -> Result<TimelineEntry, OpsError>
             deliveries: Some(deliveries),
             status,
             ..TimelineEntry::new(at, TimelineKind::Conflict)
+        },
+        "scrubbed" => TimelineEntry {
+            status,
+            ..TimelineEntry::new(at, TimelineKind::Scrubbed)
         },
         other => {
             return Err(OpsError::Store(rabbit_inbox::error::StoreError::Corrupt(

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use inbox_ops::{Actor, CleanupRequest, NoProgress, Operations, OpsError, RetentionTask};
+use inbox_ops::{
+    Actor, CleanupRequest, NoProgress, Operations, OpsError, RetentionTask, TimelineKind,
+};
 use inbox_testkit::env::{TestEnv, thing, wait_for};
 use rabbit_inbox::{
     ConfigError, InboxStatus, PayloadStorage, Topology, retention::RetentionMode,
@@ -186,6 +188,99 @@ async fn cleanup_beside_consumers_keeps_duplicates_within_the_window_suppressed(
              AND (details->>'removed_processed')::int = 60"
         )
         .await,
+        1
+    );
+    assert_eq!(
+        env.scalar(
+            "SELECT count(*) FROM {s}.inbox_event WHERE kind = 'scrubbed' \
+             AND message_id LIKE 'mid-%'"
+        )
+        .await,
+        60,
+        "each scrub is in the message's history, once"
+    );
+    assert_eq!(
+        env.scalar(
+            "SELECT count(*) FROM {s}.inbox_event WHERE kind = 'scrubbed' \
+             AND message_id NOT LIKE 'mid-%'"
+        )
+        .await,
+        0,
+        "processing, duplicates of processed rows and kept payloads are no scrub"
+    );
+}
+
+#[tokio::test]
+async fn a_scrub_reaches_the_history_and_is_on_the_timeline() {
+    let env = TestEnv::new().await;
+    // A message that failed twice with texts quoting its body, then was processed (its body
+    // kept, as under `Always`) ten days ago; and one processed yesterday.
+    let failing = "UPDATE {s}.message_inbox SET status = 'RETRYABLE_FAILED', \
+         processing_attempt = processing_attempt + 1, last_failed_at = clock_timestamp(), \
+         last_error_code = 'card_declined', last_error_message = 'card 4111 refused' \
+         WHERE message_id = 'pay-1'";
+    for statement in [
+        "INSERT INTO {s}.message_inbox (message_id, consumer_name, message_type, \
+           message_version, status, processing_attempt, payload_sha256, payload, headers) \
+         VALUES ('pay-1', 'svc', 'Payment', 1, 'PROCESSING', 0, sha256('pay-1'::bytea), \
+           convert_to('{\"card\": \"4111\"}', 'UTF8'), '{\"h\": 1}'::jsonb)",
+        failing,
+        failing,
+        "UPDATE {s}.message_inbox SET status = 'PROCESSED', processing_attempt = 3, \
+           processed_at = now() - interval '10 days', \
+           first_received_at = now() - interval '10 days' WHERE message_id = 'pay-1'",
+    ] {
+        sqlx::raw_sql(AssertSqlSafe(
+            statement.replace("{s}", &format!("\"{}\"", env.schema)),
+        ))
+        .execute(&env.pool)
+        .await
+        .expect("statement runs");
+    }
+    seed(&env, "svc", "fresh-", 1, 1).await;
+    let history = "SELECT count(*) FROM {s}.inbox_event WHERE message_id = 'pay-1' \
+         AND kind = 'failed' AND error_message = 'card 4111 refused'";
+    assert_eq!(env.scalar(history).await, 2, "both failures in the history");
+
+    let ops = ops(&env);
+    let report = ops
+        .cleanup(&request(&env, "svc", policy(100)), &NoProgress)
+        .await
+        .expect("cleanup ran");
+    assert_eq!(report.scrubbed, 1, "{report:?}");
+    assert_eq!(env.scalar(history).await, 0, "no failure text is left");
+    assert_eq!(
+        env.scalar(
+            "SELECT count(*) FROM {s}.inbox_event WHERE message_id = 'pay-1' \
+             AND kind = 'failed' AND error_message = '[redacted]' \
+             AND error_code = 'card_declined'"
+        )
+        .await,
+        2,
+        "the failures stay in the history, their codes with them"
+    );
+    let timeline = ops.timeline("svc", "pay-1", &[]).await.expect("timeline");
+    let kinds: Vec<TimelineKind> = timeline.entries.iter().map(|e| e.kind).collect();
+    assert_eq!(kinds.last(), Some(&TimelineKind::Scrubbed), "{timeline:#?}");
+    assert!(kinds.contains(&TimelineKind::Processed), "{timeline:#?}");
+    let fresh = ops.timeline("svc", "fresh-1", &[]).await.expect("timeline");
+    assert!(
+        fresh
+            .entries
+            .iter()
+            .all(|e| e.kind != TimelineKind::Scrubbed),
+        "inside its window: {fresh:#?}"
+    );
+
+    // A second run finds nothing more to scrub, and writes nothing more.
+    let again = ops
+        .cleanup(&request(&env, "svc", policy(100)), &NoProgress)
+        .await
+        .expect("cleanup ran");
+    assert_eq!(again.scrubbed, 0, "{again:?}");
+    assert_eq!(
+        env.scalar("SELECT count(*) FROM {s}.inbox_event WHERE kind = 'scrubbed'")
+            .await,
         1
     );
 }
