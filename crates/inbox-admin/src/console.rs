@@ -95,8 +95,8 @@ pub(crate) async fn activity(
         .map(|c| (c.consumer.clone(), "ledger"))
         .collect();
     let mut latency_error = None;
-    if let Some(prometheus) = &state.prometheus {
-        let count = report.consumers.first().map_or(0, |c| c.buckets.len());
+    if let (Some(prometheus), Some(first)) = (&state.prometheus, report.consumers.first()) {
+        let count = first.buckets.len();
         let width = std::time::Duration::from_secs(report.bucket_secs);
         match prometheus
             .latency(query.consumer.as_deref(), report.from, width, count)
