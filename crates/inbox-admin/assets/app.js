@@ -442,6 +442,7 @@ function timelineText(e) {
   const parts = [];
   if (e.attempt !== null && e.attempt !== undefined) parts.push(`attempt ${e.attempt}`);
   if (e.deliveries && e.kind !== "failed" && e.kind !== "parked") parts.push(`${e.deliveries} deliveries`);
+  if (e.until) parts.push(`until ${when(e.until)}`);
   if (e.status) parts.push(e.status);
   if (e.error_code) parts.push(`error ${e.error_code}`);
   if (e.error_message) parts.push(`"${e.error_message}"`);
@@ -453,6 +454,11 @@ function timelineText(e) {
 function renderTimeline(timeline) {
   const list = $("timeline");
   list.replaceChildren();
+  if (timeline.truncated) {
+    const li = el("li", "older history left out: the newest entries are shown", "muted");
+    li.dataset.kind = "truncated";
+    list.appendChild(li);
+  }
   for (const e of timeline.entries) {
     const li = el("li");
     li.dataset.kind = e.kind;

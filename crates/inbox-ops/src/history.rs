@@ -32,7 +32,15 @@ pub struct Timeline {
     pub replaces: Option<String>,
     /// What happened, oldest first.
     pub entries: Vec<TimelineEntry>,
+    /// Older history was left out: only the newest [`TIMELINE_LIMIT`] history entries and the
+    /// newest [`TIMELINE_LIMIT`] audit entries are returned (the row's own entries always are).
+    pub truncated: bool,
 }
+
+/// At most this many history entries (runs of duplicates counting as one) and as many audit
+/// entries in a [`Timeline`]: a message caught in a redelivery loop, or read a thousand times,
+/// still has a page that loads.
+pub const TIMELINE_LIMIT: i64 = 1000;
 
 /// What a [`TimelineEntry`] records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -122,6 +130,10 @@ pub struct TimelineEntry {
     pub retry_tier: Option<String>,
     /// Duplicate, conflict: how many copies.
     pub deliveries: Option<i32>,
+    /// Duplicate, conflict: when the last copy of a run came. Consecutive notes of the same
+    /// kind (nothing else happening between them) are one entry from `at` to `until`; `None`
+    /// for a single note.
+    pub until: Option<DateTime<Utc>>,
     /// Audit: the action (`redrive`, `reopen`, `replay_edited`, `payload_read`, ...).
     pub action: Option<String>,
     /// Audit: who.
@@ -143,6 +155,7 @@ impl TimelineEntry {
             error_message: None,
             retry_tier: None,
             deliveries: None,
+            until: None,
             action: None,
             actor: None,
             reason: None,
@@ -239,11 +252,13 @@ fn event_entry(row: &PgRow, tiers: &[String]) -> Result<TimelineEntry, OpsError>
         "duplicate" => TimelineEntry {
             deliveries: Some(deliveries),
             status,
+            until: row.try_get("until")?,
             ..TimelineEntry::new(at, TimelineKind::Duplicate)
         },
         "conflict" => TimelineEntry {
             deliveries: Some(deliveries),
             status,
+            until: row.try_get("until")?,
             ..TimelineEntry::new(at, TimelineKind::Conflict)
         },
         "scrubbed" => TimelineEntry {
@@ -292,27 +307,50 @@ impl Operations {
         .bind(message_id)
         .fetch_one(&self.pool)
         .await?;
-        let events = sqlx::query(sql(format!(
-            "SELECT occurred_at, kind, attempt, deliveries, status, error_code, error_message \
-             FROM {} WHERE consumer_name = $1 AND message_id = $2 \
-             ORDER BY occurred_at, event_id",
+        // Runs of duplicate (or conflict) notes with the same status and nothing between them
+        // are one entry (gaps and islands: within a run, the event's position among all and
+        // among its kind grow together). The newest TIMELINE_LIMIT entries, and one more to
+        // know whether any were left out.
+        let mut events = sqlx::query(sql(format!(
+            "SELECT min(occurred_at) AS occurred_at, \
+               CASE WHEN count(*) > 1 THEN max(occurred_at) END AS until, kind, \
+               min(attempt) AS attempt, sum(deliveries)::int4 AS deliveries, status, \
+               min(error_code) AS error_code, min(error_message) AS error_message, \
+               min(event_id) AS first_event \
+             FROM (SELECT e.*, \
+                 CASE WHEN kind IN ('duplicate', 'conflict') \
+                   THEN row_number() OVER (ORDER BY occurred_at, event_id) \
+                     - row_number() OVER (PARTITION BY kind, status \
+                                          ORDER BY occurred_at, event_id) \
+                   ELSE -event_id END AS run \
+               FROM {} e WHERE consumer_name = $1 AND message_id = $2) runs \
+             GROUP BY kind, status, run \
+             ORDER BY min(occurred_at) DESC, min(event_id) DESC LIMIT $3 + 1",
             self.schema.qualify("inbox_event")
         )))
         .persistent(false)
         .bind(consumer)
         .bind(message_id)
+        .bind(TIMELINE_LIMIT)
         .fetch_all(&self.pool)
         .await?;
-        let audit = sqlx::query(sql(format!(
+        let mut audit = sqlx::query(sql(format!(
             "SELECT occurred_at, action, actor, reason, ticket FROM {} \
-             WHERE consumer_name = $1 AND message_id = $2 ORDER BY audit_id",
+             WHERE consumer_name = $1 AND message_id = $2 ORDER BY audit_id DESC LIMIT $3 + 1",
             self.schema.qualify("inbox_audit")
         )))
         .persistent(false)
         .bind(consumer)
         .bind(message_id)
+        .bind(TIMELINE_LIMIT)
         .fetch_all(&self.pool)
         .await?;
+        let limit = usize::try_from(TIMELINE_LIMIT).unwrap_or(usize::MAX);
+        let truncated = events.len() > limit || audit.len() > limit;
+        events.truncate(limit);
+        audit.truncate(limit);
+        events.reverse();
+        audit.reverse();
         let tombstone = sqlx::query(sql(format!(
             "SELECT final_status, removed_at FROM {} \
              WHERE consumer_name = $1 AND message_id = $2",
@@ -372,6 +410,7 @@ impl Operations {
             replaced_by,
             replaces,
             entries,
+            truncated,
         })
     }
 }

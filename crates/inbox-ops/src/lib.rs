@@ -36,7 +36,7 @@ pub use audit::{AuditFilter, PAYLOAD_READ, audit};
 pub use doctor::{Area, Check, DoctorReport, DoctorRequest, Severity, check_ids};
 #[cfg(feature = "fault-injection")]
 pub use fault::{RedriveFaults, RedriveStep};
-pub use history::{Timeline, TimelineEntry, TimelineKind};
+pub use history::{TIMELINE_LIMIT, Timeline, TimelineEntry, TimelineKind};
 pub use inspect::{
     AuditEntry, BrokerDepths, BrokerLocation, FailureGroup, ListFilter, ListPage, OPEN_STATUSES,
     Payload, RowDetail, RowSummary, ShowQuery, ShowReport, StatusLine, StatusQuery, StatusReport,

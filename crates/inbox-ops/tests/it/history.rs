@@ -275,6 +275,129 @@ async fn a_timeline_tells_what_happened_to_a_message() {
     assert!(json["entries"][1]["error_message"].is_string(), "{json}");
 }
 
+#[tokio::test]
+async fn a_redelivery_storm_is_one_entry_and_a_long_history_is_cut_to_the_newest() {
+    let env = TestEnv::new().await;
+    let ops = ops(&env);
+    exec(
+        &env,
+        &row_sql(
+            "inv-storm",
+            CONSUMER,
+            "PROCESSED",
+            ", processed_at",
+            ", now() - interval '1 day'",
+        ),
+    )
+    .await;
+    // 5,000 duplicate notes in a row, a conflicting body, three more notes; one by one, as a
+    // producer stuck in a retry loop would leave them.
+    let event = |kind: &str, n: &str, at: &str| {
+        format!(
+            "INSERT INTO {{s}}.inbox_event (message_id, consumer_name, occurred_at, kind, \
+               deliveries, status) \
+             SELECT 'inv-storm', '{CONSUMER}', {at}, '{kind}', 1, 'PROCESSED' \
+             FROM generate_series(1, {n}) AS g;"
+        )
+    };
+    exec(
+        &env,
+        &[
+            event(
+                "duplicate",
+                "5000",
+                "now() - interval '1 hour' + g * interval '1 ms'",
+            ),
+            event("conflict", "1", "now() - interval '30 minutes'"),
+            event(
+                "duplicate",
+                "3",
+                "now() - interval '10 minutes' + g * interval '1 s'",
+            ),
+        ]
+        .concat(),
+    )
+    .await;
+    let storm = ops
+        .timeline(CONSUMER, "inv-storm", &[])
+        .await
+        .expect("timeline");
+    let runs: Vec<(TimelineKind, Option<i32>, bool)> = storm
+        .entries
+        .iter()
+        .filter(|e| matches!(e.kind, TimelineKind::Duplicate | TimelineKind::Conflict))
+        .map(|e| (e.kind, e.deliveries, e.until.is_some()))
+        .collect();
+    assert_eq!(
+        runs,
+        [
+            (TimelineKind::Duplicate, Some(5000), true),
+            (TimelineKind::Conflict, Some(1), false),
+            (TimelineKind::Duplicate, Some(3), true),
+        ],
+        "{storm:#?}"
+    );
+    assert!(!storm.truncated);
+    let first = &storm.entries[storm
+        .entries
+        .iter()
+        .position(|e| e.kind == TimelineKind::Duplicate)
+        .expect("a run")];
+    assert!(first.until.expect("a run's end") > first.at);
+
+    // Failures alternating with duplicates (a message redriven again and again): more entries
+    // than a page holds. The newest are kept, oldest first, and the cut is said.
+    let limit = usize::try_from(inbox_ops::TIMELINE_LIMIT).expect("a size");
+    exec(
+        &env,
+        &format!(
+            "INSERT INTO {{s}}.inbox_event (message_id, consumer_name, occurred_at, kind, \
+               attempt, deliveries, status, error_code) \
+             SELECT 'inv-storm', '{CONSUMER}', now() - interval '5 minutes' + g * interval '1 ms', \
+               CASE WHEN g % 2 = 0 THEN 'failed' ELSE 'duplicate' END, g, 1, \
+               'RETRYABLE_FAILED', 'again' \
+             FROM generate_series(1, {n}) AS g;",
+            n = limit + 200
+        ),
+    )
+    .await;
+    let long = ops
+        .timeline(CONSUMER, "inv-storm", &[])
+        .await
+        .expect("timeline");
+    assert!(long.truncated, "the cut is said");
+    let history = long
+        .entries
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.kind,
+                TimelineKind::Duplicate | TimelineKind::Conflict | TimelineKind::Failed
+            )
+        })
+        .count();
+    assert_eq!(history, limit, "{} entries", long.entries.len());
+    let last_failure = long
+        .entries
+        .iter()
+        .rev()
+        .find(|e| e.kind == TimelineKind::Failed)
+        .expect("failures");
+    assert_eq!(
+        last_failure.attempt,
+        i32::try_from(limit + 200).ok(),
+        "the newest kept"
+    );
+    assert!(
+        long.entries.windows(2).all(|w| w[0].at <= w[1].at),
+        "oldest first"
+    );
+    // The row's own entries are kept whatever the history's length.
+    for kind in [TimelineKind::Received, TimelineKind::Processed] {
+        assert!(long.entries.iter().any(|e| e.kind == kind), "{kind:?}");
+    }
+}
+
 /// Sums one field over a consumer's buckets.
 fn total(buckets: &[ActivityBucket], field: impl Fn(&ActivityBucket) -> i64) -> i64 {
     buckets.iter().map(field).sum()
