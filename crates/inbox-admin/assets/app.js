@@ -185,11 +185,20 @@ async function loadDepths() {
   xRanges.set("depths", [to - ($("window").value === "24h" ? 86400 : 3600), to]);
   $("depth-card").hidden = false;
   drawChart("depths", $("depth-chart"), [
-    { label: `work (${q.work})`, stroke: "#1450a0" },
+    { label: `work ready (${q.work})`, stroke: "#1450a0" },
+    { label: "work unacked", stroke: "#7a5cc0" },
     { label: `retry tiers (${q.retry.length})`, stroke: "#d08a00" },
     { label: `parking lot (${q.parking})`, stroke: "#c9302c" },
-  ], [xs, pick("work"), pick("retry"), pick("parking")]);
+  ], [xs, pick("work"), pick("work_unacked"), pick("retry"), pick("parking")]);
   $("depth-chart").dataset.samples = String(xs.length);
+  // "Is it stuck?": ready messages with no consumer, or unacked ones that do not move.
+  const last = report.samples[report.samples.length - 1];
+  const now = !last || !last.via ? "the broker did not answer the last sample"
+    : `now: ${last.work ?? "?"} ready, ${last.work_unacked ?? "?"} unacked, ` +
+      `${last.work_consumers ?? "?"} consumers on ${q.work}` +
+      (last.via === "amqp" ? " (ready counts through AMQP: the management API did not say)" : "");
+  $("depth-now").textContent = now;
+  $("depth-now").className = last && last.work_consumers === 0 && last.work > 0 ? "bad" : "muted";
 }
 
 async function loadFailures() {

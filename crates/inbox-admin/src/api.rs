@@ -695,6 +695,7 @@ pub(crate) async fn doctor(
     let request = DoctorRequest {
         consumer: given(&p.consumer).map(str::to_owned),
         amqp_url: Some(state.amqp_url.clone()),
+        management_url: state.management_url.clone(),
         topology,
         retry,
         retention: Some(retention),

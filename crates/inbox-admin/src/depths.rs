@@ -1,12 +1,15 @@
-//! Queue depths over time: the work queue, its retry tiers (summed) and its parking lot, read
-//! by the server itself every [`SAMPLE_INTERVAL`] and kept for a day, so the console's depth
-//! chart has the night's history when it is opened, not only what the page saw while open.
+//! Queue depths over time: the work queue (ready, unacknowledged, consumers), its retry tiers
+//! (summed) and its parking lot, read by the server itself every [`SAMPLE_INTERVAL`] and kept
+//! for a day, so the console's depth chart has the night's history when it is opened, not only
+//! what the page saw while open ("is it stuck?" starts with the ready and unacked counts).
 //!
-//! A read whose newest sample is older than [`FRESH`] takes one first, so a page refreshing
-//! every few seconds sees the queues move live (and a server without the background sampler,
-//! [`crate::app`], still answers). One broker connection serves both, kept open between
-//! samples and opened again after a failure; a sample the broker did not answer is kept with
-//! no figures, a gap in the chart.
+//! Read through the management API (`AdminState::management_url`, as the doctor reads the
+//! topology), whose counts the broker refreshes every few seconds; when it does not answer,
+//! through passive declares on one AMQP connection, which give ready counts only. A read whose
+//! newest sample is older than [`FRESH`] takes one first, so a page refreshing every few
+//! seconds sees the queues move live (and a server without the background sampler,
+//! [`crate::app`], still answers). A sample the broker did not answer is kept with no figures,
+//! a gap in the chart.
 
 use std::{
     collections::VecDeque,
@@ -16,6 +19,7 @@ use std::{
 
 use axum::{Json, extract::State};
 use chrono::{DateTime, Utc};
+use inbox_ops::{ManagementClient, QueueCounts};
 use rabbit_inbox::{RetryPolicy, Topology, broker::Broker};
 use serde::{Deserialize, Serialize};
 use utoipa::IntoParams;
@@ -35,22 +39,39 @@ const KEEP: Duration = Duration::from_secs(24 * 3600);
 /// At most this many samples per answer (a day at 15 s is 5,760): the last of each slot.
 const MAX_POINTS: usize = 720;
 
-/// Ready messages at one instant; `None` where the broker did not answer.
-#[derive(Clone, Copy, Debug, Serialize)]
+/// The queues at one instant; `None` where the broker did not answer (or, through AMQP, for
+/// what passive declares do not tell).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
 pub(crate) struct DepthSample {
     at: DateTime<Utc>,
-    work: Option<u32>,
-    retry: Option<u32>,
-    parking: Option<u32>,
+    /// `management` or `amqp`; `None` when neither answered.
+    via: Option<&'static str>,
+    /// Work queue: messages ready.
+    work: Option<u64>,
+    /// Work queue: messages delivered and not yet acked (held by consumers).
+    work_unacked: Option<u64>,
+    /// Work queue: consumers subscribed.
+    work_consumers: Option<u64>,
+    /// Retry tiers: messages waiting, summed.
+    retry: Option<u64>,
+    /// Parking lot: messages.
+    parking: Option<u64>,
 }
 
-/// The samples and the connection they are read through.
+/// What the samples are read through, opened on first use and again after a failure.
+#[derive(Default)]
+struct Readers {
+    management: Option<ManagementClient>,
+    broker: Option<Broker>,
+}
+
+/// The samples and what they are read through.
 #[derive(Default)]
 pub(crate) struct DepthHistory {
     samples: Mutex<VecDeque<DepthSample>>,
     /// Also serialises sampling: one reader at a time, and a reader that waited for another
     /// uses its fresh sample.
-    broker: tokio::sync::Mutex<Option<Broker>>,
+    readers: tokio::sync::Mutex<Readers>,
 }
 
 impl std::fmt::Debug for DepthHistory {
@@ -74,45 +95,33 @@ impl DepthHistory {
     async fn sample_unless_fresh(
         &self,
         amqp_url: &str,
+        management_url: Option<&str>,
         topology: &Topology,
         retry: &RetryPolicy,
         within: Duration,
     ) {
-        let mut broker = self.broker.lock().await;
+        let mut readers = self.readers.lock().await;
         if self.is_fresh(Utc::now(), within) {
             return;
         }
-        if broker.is_none() {
-            let connect = Broker::connect(amqp_url, "inbox-admin queue depths");
-            match tokio::time::timeout(BROKER_TIMEOUT, connect).await {
-                Ok(Ok(connected)) => *broker = Some(connected),
-                Ok(Err(e)) => tracing::debug!(error = %e, "queue depths: connecting failed"),
-                Err(_) => tracing::debug!("queue depths: connecting timed out"),
-            }
-        }
-        let depths = match broker.as_ref() {
-            Some(b) => {
-                match tokio::time::timeout(BROKER_TIMEOUT, b.queue_depths(topology, retry)).await {
-                    Ok(Ok(depths)) => Some(depths),
-                    Ok(Err(e)) => {
-                        tracing::debug!(error = %e, "queue depths: reading failed");
-                        None
-                    }
-                    Err(_) => None,
+        let management =
+            through_management(&mut readers, amqp_url, management_url, topology, retry).await;
+        let mut sample = match management {
+            Some(s) if s.work.is_some() && s.retry.is_some() && s.parking.is_some() => s,
+            // The API answered without some counts (a queue declared a moment ago has none
+            // until the broker's next statistics round): the ready counts through AMQP, what
+            // the API did say kept.
+            Some(partial) => {
+                let ready = through_amqp(&mut readers, amqp_url, topology, retry).await;
+                DepthSample {
+                    work_unacked: partial.work_unacked,
+                    work_consumers: partial.work_consumers,
+                    ..ready
                 }
             }
-            None => None,
+            None => through_amqp(&mut readers, amqp_url, topology, retry).await,
         };
-        if depths.is_none() {
-            // A failed passive declare closes the channel: start afresh next time.
-            *broker = None;
-        }
-        let sample = DepthSample {
-            at: Utc::now(),
-            work: depths.map(|d| d.work),
-            retry: depths.map(|d| d.retry),
-            parking: depths.map(|d| d.parking),
-        };
+        sample.at = Utc::now();
         let mut samples = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
         samples.push_back(sample);
         while samples
@@ -142,6 +151,90 @@ impl DepthHistory {
     }
 }
 
+/// The counts from the management API; `None` when it does not answer.
+async fn through_management(
+    readers: &mut Readers,
+    amqp_url: &str,
+    management_url: Option<&str>,
+    topology: &Topology,
+    retry: &RetryPolicy,
+) -> Option<DepthSample> {
+    if readers.management.is_none() {
+        match ManagementClient::new(amqp_url, management_url) {
+            Ok(client) => readers.management = Some(client),
+            Err(e) => tracing::debug!(error = %e, "queue depths: no management API client"),
+        }
+    }
+    let client = readers.management.as_ref()?;
+    let counts = async |queue: &str| -> Option<Option<QueueCounts>> {
+        match client.queue_counts(queue).await {
+            Ok(counts) => Some(counts),
+            Err(e) => {
+                tracing::debug!(error = %e, "queue depths: the management API did not answer");
+                None
+            }
+        }
+    };
+    let work = counts(&topology.queue).await?;
+    let mut retrying = Some(0u64);
+    for tier in topology.retry_tier_queues(retry) {
+        let ready = counts(&tier).await?.and_then(|c| c.ready);
+        retrying = retrying.zip(ready).map(|(sum, n)| sum + n);
+    }
+    let parking = counts(&topology.parking_queue).await?;
+    Some(DepthSample {
+        via: Some("management"),
+        work: work.and_then(|c| c.ready),
+        work_unacked: work.and_then(|c| c.unacknowledged),
+        work_consumers: work.and_then(|c| c.consumers),
+        retry: retrying,
+        parking: parking.and_then(|c| c.ready),
+        ..DepthSample::default()
+    })
+}
+
+/// Ready counts from passive declares on one AMQP connection; no figures when the broker does
+/// not answer.
+async fn through_amqp(
+    readers: &mut Readers,
+    amqp_url: &str,
+    topology: &Topology,
+    retry: &RetryPolicy,
+) -> DepthSample {
+    if readers.broker.is_none() {
+        let connect = Broker::connect(amqp_url, "inbox-admin queue depths");
+        match tokio::time::timeout(BROKER_TIMEOUT, connect).await {
+            Ok(Ok(connected)) => readers.broker = Some(connected),
+            Ok(Err(e)) => tracing::debug!(error = %e, "queue depths: connecting failed"),
+            Err(_) => tracing::debug!("queue depths: connecting timed out"),
+        }
+    }
+    let depths = match readers.broker.as_ref() {
+        Some(b) => {
+            match tokio::time::timeout(BROKER_TIMEOUT, b.queue_depths(topology, retry)).await {
+                Ok(Ok(depths)) => Some(depths),
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "queue depths: reading failed");
+                    None
+                }
+                Err(_) => None,
+            }
+        }
+        None => None,
+    };
+    if depths.is_none() {
+        // A failed passive declare closes the channel: start afresh next time.
+        readers.broker = None;
+    }
+    DepthSample {
+        via: depths.map(|_| "amqp"),
+        work: depths.map(|d| u64::from(d.work)),
+        retry: depths.map(|d| u64::from(d.retry)),
+        parking: depths.map(|d| u64::from(d.parking)),
+        ..DepthSample::default()
+    }
+}
+
 /// Samples the depths every [`SAMPLE_INTERVAL`] until the server is gone (or at once returns
 /// when it has no queues to sample).
 pub(crate) async fn sampler(server: Weak<Server>) {
@@ -156,7 +249,13 @@ pub(crate) async fn sampler(server: Weak<Server>) {
             // Less than an interval: a sample a page asked for a moment ago is not repeated.
             server
                 .depths
-                .sample_unless_fresh(&server.amqp_url, topology, retry, FRESH)
+                .sample_unless_fresh(
+                    &server.amqp_url,
+                    server.management_url.as_deref(),
+                    topology,
+                    retry,
+                    FRESH,
+                )
                 .await;
         }
         tokio::time::sleep(SAMPLE_INTERVAL).await;
@@ -183,9 +282,10 @@ pub(crate) struct DepthsResponse {
     samples: Vec<DepthSample>,
 }
 
-/// Ready messages in the work queue, the retry tiers (summed) and the parking lot over time,
-/// sampled by the server every 15 s (and when read, if the newest sample is older than a few
-/// seconds) and kept for a day.
+/// The work queue's ready and unacked messages and consumers, the retry tiers' messages
+/// (summed) and the parking lot's over time: through the management API (else ready counts
+/// through AMQP), sampled by the server every 15 s (and when read, if the newest sample is
+/// older than a few seconds) and kept for a day.
 #[utoipa::path(get, path = "/api/v1/depths", tag = "inspection", params(DepthParams),
     security(("bearer" = [])),
     responses((status = 200, description = "queues, interval_secs and samples", body = serde_json::Value),
@@ -212,7 +312,13 @@ pub(crate) async fn depths(
     };
     state
         .depths
-        .sample_unless_fresh(&state.amqp_url, topology, retry, FRESH)
+        .sample_unless_fresh(
+            &state.amqp_url,
+            state.management_url.as_deref(),
+            topology,
+            retry,
+            FRESH,
+        )
         .await;
     Ok(Json(DepthsResponse {
         queues: Some(serde_json::json!({
@@ -237,9 +343,8 @@ mod tests {
             .expect("not poisoned")
             .extend(ats.iter().map(|&secs| DepthSample {
                 at: DateTime::from_timestamp(secs, 0).expect("an instant"),
-                work: Some(secs as u32),
-                retry: Some(0),
-                parking: None,
+                work: u64::try_from(secs).ok(),
+                ..DepthSample::default()
             }));
         history
     }

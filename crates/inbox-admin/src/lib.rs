@@ -70,6 +70,10 @@ pub struct AdminState {
     pub ops: Operations,
     /// The broker, for `/readyz`, queue depths and actions that move messages.
     pub amqp_url: String,
+    /// The broker's management API (`http://user:password@host:15672`; a cluster's: several,
+    /// comma-separated), read for the queues' counts and by the doctor. `None`: port 15672 of
+    /// the AMQP URL's host, with its credentials.
+    pub management_url: Option<String>,
     /// The consumer's queues and retry tiers: broker depths in the status, where a message is
     /// on the broker, and where recovery republishes. Without them those parts are left out
     /// and recovery is refused.
@@ -93,6 +97,8 @@ impl std::fmt::Debug for AdminState {
         f.debug_struct("AdminState")
             .field("ops", &self.ops)
             .field("queues", &self.queues)
+            // Whether set only: the URL may hold credentials.
+            .field("management_url", &self.management_url.is_some())
             // Whether set only: the URL may hold credentials.
             .field("prometheus_url", &self.prometheus_url.is_some())
             .field("replay_window", &self.replay_window)

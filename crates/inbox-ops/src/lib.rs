@@ -44,7 +44,7 @@ pub use inspect::{
 };
 pub use management::{
     DEFAULT_MANAGEMENT_PORT, DEFAULT_MANAGEMENT_TLS_PORT, ManagementClient, ManagementError,
-    QueueInfo, QueueSetting,
+    QueueCounts, QueueInfo, QueueSetting,
 };
 pub use recover::RecoveryTask;
 pub use recover::{

@@ -81,6 +81,19 @@ pub struct QueueInfo {
     pub effective_policy: Map<String, Value>,
 }
 
+/// A queue's message and consumer counts as the management API last sampled them (the broker
+/// refreshes them every few seconds); `None` for a count the broker has not reported yet (a
+/// queue declared a moment ago).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct QueueCounts {
+    /// Messages ready for delivery.
+    pub ready: Option<u64>,
+    /// Messages delivered and not yet acked or rejected: held by consumers.
+    pub unacknowledged: Option<u64>,
+    /// Consumers subscribed.
+    pub consumers: Option<u64>,
+}
+
 /// Where a queue setting comes from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct QueueSetting {
@@ -327,6 +340,19 @@ impl ManagementClient {
             .and_then(Value::as_str)
             .unwrap_or("unknown")
             .to_owned())
+    }
+
+    /// The counts of queue `name` of the virtual host; `None` if it does not exist.
+    pub async fn queue_counts(&self, name: &str) -> Result<Option<QueueCounts>, ManagementError> {
+        let Some(q) = self.get(&["api", "queues", &self.vhost, name]).await? else {
+            return Ok(None);
+        };
+        let count = |key: &str| q.get(key).and_then(Value::as_u64);
+        Ok(Some(QueueCounts {
+            ready: count("messages_ready"),
+            unacknowledged: count("messages_unacknowledged"),
+            consumers: count("consumers"),
+        }))
     }
 
     /// Queue `name` of the virtual host; `None` if it does not exist.

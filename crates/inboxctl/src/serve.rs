@@ -76,6 +76,12 @@ pub(crate) struct ServeArgs {
     schema: String,
     #[command(flatten)]
     queues: QueueArgs,
+    /// The RabbitMQ management API, `http://user:password@host:15672` (a cluster's: several,
+    /// comma-separated; the first that answers is read), for the queues' ready and unacked
+    /// counts and consumers on the console and for the doctor [default: port 15672 of each
+    /// AMQP URL's host, with the first URL's credentials]
+    #[arg(long, env = "INBOX_MANAGEMENT_URL")]
+    management_url: Option<String>,
     /// File of tokens, one `SCOPE NAME=TOKEN` a line (scope `read`, `read:payload` or
     /// `admin`), added to those in INBOX_ADMIN_READ_TOKENS, INBOX_ADMIN_PAYLOAD_TOKENS and
     /// INBOX_ADMIN_ADMIN_TOKENS (`name=token,name=token`). Should be readable by its owner
@@ -213,6 +219,7 @@ pub(crate) async fn run(servers: &Servers, args: ServeArgs) -> anyhow::Result<Ex
     let state = AdminState {
         ops: Operations::new(pool, schema),
         amqp_url: servers.amqp_url.clone(),
+        management_url: args.management_url.clone(),
         queues: args.queues.topology(),
         tokens,
         metrics: Some(metrics),

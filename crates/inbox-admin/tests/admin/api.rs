@@ -233,6 +233,7 @@ async fn readiness_fails_when_the_broker_is_unreachable_and_open_servers_stay_lo
     let state = inbox_admin::AdminState {
         ops: inbox_ops::Operations::new(fx.env.pool.clone(), fx.env.schema.clone()),
         amqp_url: "amqp://guest:guest@127.0.0.1:1/%2f".into(),
+        management_url: None,
         queues: None,
         tokens: Tokens::none(),
         metrics: None,
@@ -265,6 +266,7 @@ async fn readiness_fails_when_the_broker_is_unreachable_and_open_servers_stay_lo
     let state = inbox_admin::AdminState {
         ops: inbox_ops::Operations::new(fx.env.pool.clone(), fx.env.schema.clone()),
         amqp_url: "amqp://guest:guest@127.0.0.1:1/%2f".into(),
+        management_url: None,
         queues: None,
         tokens: Tokens::none(),
         metrics: None,

@@ -4,7 +4,9 @@
 //! its refusals, and each mutating action found in the audit trail.
 
 use axum::{Json, Router, http::StatusCode, routing::get};
-use inbox_testkit::env::{message, wait_for};
+use std::sync::Arc;
+
+use inbox_testkit::env::{Latch, OpenOnDrop, Rule, message, wait_for};
 use serde_json::{Value, json};
 
 use crate::util::{
@@ -499,7 +501,8 @@ async fn queue_depths_are_sampled_by_the_server_and_kept_for_the_chart() {
     // Served: the server samples the queues on its own from the start.
     let fx = Fixture::new(None).await;
     let http = reqwest::Client::new();
-    let url = format!("{}/api/v1/depths?window=1h", fx.base);
+    // Ten minutes: slots under a second, so no sample of the test is folded into another.
+    let url = format!("{}/api/v1/depths?window=10m", fx.base);
     let (code, _) = crate::util::get(&http, &url, None).await;
     assert_eq!(code, StatusCode::UNAUTHORIZED);
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
@@ -518,39 +521,65 @@ async fn queue_depths_are_sampled_by_the_server_and_kept_for_the_chart() {
                 .retry_tier_queues(&inbox_testkit::env::test_retry())
         )
     );
-    let samples = answer["samples"].as_array().expect("samples");
-    let first = &samples[0];
+    let first = answer["samples"][0].clone();
     let at: chrono::DateTime<chrono::Utc> =
         serde_json::from_value(first["at"].clone()).expect("an instant");
     assert!(
         at < asked,
         "taken before any read, by the server: {answer:#}"
     );
-    assert_eq!(
-        (&first["work"], &first["retry"], &first["parking"]),
-        (&json!(0), &json!(0), &json!(2)),
-        "{answer:#}"
-    );
+    // Through the management API once the broker has counted the new queues (it refreshes
+    // its counts every few seconds; until then the ready counts come through AMQP).
+    assert!(first["via"].is_string(), "{answer:#}");
+    let newest = |answer: &Value| answer["samples"].as_array().and_then(|s| s.last()).cloned();
+    let mut answer = Value::Null;
+    wait_for("the two parked refunds counted", async || {
+        answer = crate::util::get(&http, &url, Some(READ_TOKEN)).await.1;
+        newest(&answer).is_some_and(|s| {
+            (
+                &s["via"],
+                &s["work"],
+                &s["work_unacked"],
+                &s["retry"],
+                &s["parking"],
+            ) == (
+                &json!("management"),
+                &json!(0),
+                &json!(0),
+                &json!(0),
+                &json!(2),
+            )
+        })
+    })
+    .await;
 
-    // Three orders wait in the work queue (no consumer runs): a read a few seconds later takes
-    // a fresh sample and keeps the first.
+    // "Is it stuck?": three orders held by a consumer whose handler does not return are
+    // unacked, with one consumer on the queue.
+    let latch = Arc::new(Latch::default());
+    let _release = OpenOnDrop(latch.clone());
+    let (handler, plan) = fx.env.handler();
     for n in 0..3 {
-        let id = format!("waiting-{n}");
+        let id = format!("held-{n}");
+        plan.for_id(&id, Rule::Hold(latch.clone()));
         let order = message(Some(&id), "OrderPlaced", &json!({ "order": id }));
         fx.env.publish(&fx.topology, &order).await;
     }
-    let mut answer = Value::Null;
-    wait_for("a sample with the three waiting orders", async || {
+    let consumer = fx
+        .env
+        .start(fx.env.config(CONSUMER, fx.topology.clone()), handler);
+    wait_for("three orders held unacked by one consumer", async || {
         answer = crate::util::get(&http, &url, Some(READ_TOKEN)).await.1;
-        answer["samples"]
-            .as_array()
-            .and_then(|s| s.last())
-            .is_some_and(|s| s["work"] == 3)
+        newest(&answer).is_some_and(|s| {
+            (&s["work"], &s["work_unacked"], &s["work_consumers"])
+                == (&json!(0), &json!(3), &json!(1))
+        })
     })
     .await;
     let samples = answer["samples"].as_array().expect("samples");
-    assert!(samples.len() >= 2, "{answer:#}");
+    assert!(samples.len() >= 3, "{answer:#}");
     assert_eq!(samples[0]["at"], first["at"], "the first sample is kept");
+    latch.open();
+    consumer.stop().await;
 
     for bad in ["window=25h", "window=0s", "window=soon"] {
         let (code, err) = crate::util::get(
@@ -562,17 +591,31 @@ async fn queue_depths_are_sampled_by_the_server_and_kept_for_the_chart() {
         assert_eq!(code, StatusCode::BAD_REQUEST, "{bad}: {err}");
     }
 
-    // A broker that does not answer: a sample without figures (a gap), not an error.
+    // Without the management API: ready counts through AMQP, said so.
+    let mut state = fx.state(tokens(), None);
+    state.management_url = Some("http://127.0.0.1:1".into());
+    let amqp_only = InProcess::new(state, crate::util::LOCAL, &Default::default());
+    let (code, answer) = amqp_only.get("/api/v1/depths", Some(READ_TOKEN)).await;
+    assert_eq!(code, StatusCode::OK, "{answer}");
+    let sample = &answer["samples"][0];
+    assert_eq!(
+        (&sample["via"], &sample["parking"], &sample["work_unacked"]),
+        (&json!("amqp"), &json!(2), &Value::Null),
+        "{answer:#}"
+    );
+
+    // A broker that does not answer at all: a sample without figures (a gap), not an error.
     let mut state = fx.state(tokens(), None);
     state.amqp_url = "amqp://guest:guest@127.0.0.1:1/%2f".into();
+    state.management_url = Some("http://127.0.0.1:1".into());
     let unreachable = InProcess::new(state, crate::util::LOCAL, &Default::default());
     let (code, answer) = unreachable.get("/api/v1/depths", Some(READ_TOKEN)).await;
     assert_eq!(code, StatusCode::OK, "{answer}");
     let gap = &answer["samples"][0];
     assert!(gap["at"].is_string(), "{answer:#}");
     assert_eq!(
-        (&gap["work"], &gap["parking"]),
-        (&Value::Null, &Value::Null),
+        (&gap["via"], &gap["work"], &gap["parking"]),
+        (&Value::Null, &Value::Null, &Value::Null),
         "{answer:#}"
     );
 }

@@ -189,6 +189,7 @@ impl Fixture {
         AdminState {
             ops: Operations::new(self.env.pool.clone(), self.env.schema.clone()),
             amqp_url: amqp_url(),
+            management_url: None,
             queues: Some((self.topology.clone(), test_retry())),
             tokens,
             metrics,
