@@ -104,8 +104,15 @@ impl DepthHistory {
         if self.is_fresh(Utc::now(), within) {
             return;
         }
-        let management =
-            through_management(&mut readers, amqp_url, management_url, topology, retry).await;
+        // Each request to the API has its own timeout; the whole read is bounded too, so a slow
+        // API (several answers just under it) does not hold a page's refresh.
+        let management = tokio::time::timeout(
+            2 * BROKER_TIMEOUT,
+            through_management(&mut readers, amqp_url, management_url, topology, retry),
+        )
+        .await
+        .ok()
+        .flatten();
         let mut sample = match management {
             Some(s) if s.work.is_some() && s.retry.is_some() && s.parking.is_some() => s,
             // The API answered without some counts (a queue declared a moment ago has none

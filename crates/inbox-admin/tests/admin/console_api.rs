@@ -604,6 +604,27 @@ async fn queue_depths_are_sampled_by_the_server_and_kept_for_the_chart() {
         "{answer:#}"
     );
 
+    // A management API that accepts connections and never answers: the sample falls back to
+    // ready counts through AMQP instead of waiting on it.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a port");
+    let silent_addr = silent.local_addr().expect("address");
+    let hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let mut state = fx.state(tokens(), None);
+    state.management_url = Some(format!("http://{silent_addr}"));
+    let hanging = InProcess::new(state, crate::util::LOCAL, &Default::default());
+    let (code, answer) = hanging.get("/api/v1/depths", Some(READ_TOKEN)).await;
+    assert_eq!(code, StatusCode::OK, "{answer}");
+    assert_eq!(answer["samples"][0]["via"], "amqp", "{answer:#}");
+    assert_eq!(answer["samples"][0]["parking"], 2, "{answer:#}");
+    hold.abort();
+
     // A broker that does not answer at all: a sample without figures (a gap), not an error.
     let mut state = fx.state(tokens(), None);
     state.amqp_url = "amqp://guest:guest@127.0.0.1:1/%2f".into();
