@@ -4,14 +4,13 @@
 
 use std::{
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
     time::Duration,
 };
 
 use fantoccini::{Client, ClientBuilder, Locator};
 use inbox_testkit::env::{DEADLINE, wait_for};
 
-use crate::util::TempDir;
+use crate::util::{LocalProcess, TempDir};
 
 pub(crate) fn on_path(program: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
@@ -22,41 +21,18 @@ pub(crate) fn on_path(program: &str) -> Option<PathBuf> {
 }
 
 /// chromedriver on a free port, killed when dropped.
-pub(crate) struct Driver {
-    child: Child,
-    url: String,
-}
+pub(crate) struct Driver(LocalProcess);
 
 impl Driver {
     pub(crate) async fn start(program: &Path) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let child = Command::new(program)
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("chromedriver starts");
-        let driver = Self {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-        };
+        let process = LocalProcess::spawn(program, |port| vec![format!("--port={port}")]);
         wait_for("chromedriver to listen", async || {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
+            tokio::net::TcpStream::connect(("127.0.0.1", process.port))
                 .await
                 .is_ok()
         })
         .await;
-        driver
-    }
-}
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        Self(process)
     }
 }
 
@@ -135,7 +111,7 @@ impl Browser {
         };
         let client = ClientBuilder::native()
             .capabilities(capabilities)
-            .connect(&driver.url)
+            .connect(&driver.0.url)
             .await
             .expect("a Chromium session");
         Some(Self {

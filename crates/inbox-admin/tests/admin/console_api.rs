@@ -16,12 +16,7 @@ use crate::util::{
 
 /// Sums `field` over every bucket of `consumer` in an activity report.
 fn total(report: &Value, consumer: &str, field: &str) -> u64 {
-    report["consumers"]
-        .as_array()
-        .expect("consumers")
-        .iter()
-        .filter(|c| c["consumer"] == consumer)
-        .flat_map(|c| c["buckets"].as_array().expect("buckets").iter())
+    crate::util::activity_buckets(report, consumer)
         .map(|b| b[field].as_u64().expect("a count"))
         .sum()
 }

@@ -7,7 +7,6 @@
 
 use std::{
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -20,14 +19,15 @@ use serde_json::Value;
 
 use crate::{
     browser::on_path,
-    util::{CONSUMER, Fixture, InProcess, READ_TOKEN, TempDir, tokens},
+    util::{
+        CONSUMER, Fixture, InProcess, LocalProcess, READ_TOKEN, TempDir, activity_buckets, tokens,
+    },
 };
 
 /// A Prometheus server on a free port with its own configuration and storage, killed when
-/// dropped.
+/// dropped (the process first, then its directory).
 struct PrometheusServer {
-    child: Child,
-    url: String,
+    process: LocalProcess,
     _dir: TempDir,
 }
 
@@ -52,28 +52,15 @@ impl PrometheusServer {
             ),
         )
         .expect("config written");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let child = Command::new(program)
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.0.join("data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .arg("--log.level=warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prometheus starts");
-        let server = Self {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            _dir: dir,
-        };
-        let ready = format!("{}/-/ready", server.url);
+        let process = LocalProcess::spawn(&program, |port| {
+            vec![
+                format!("--config.file={}", config.display()),
+                format!("--storage.tsdb.path={}", dir.0.join("data").display()),
+                format!("--web.listen-address=127.0.0.1:{port}"),
+                "--log.level=warn".into(),
+            ]
+        });
+        let ready = format!("{}/-/ready", process.url);
         inbox_testkit::wait_for(
             "prometheus to be ready",
             Duration::from_secs(60),
@@ -84,14 +71,7 @@ impl PrometheusServer {
             },
         )
         .await;
-        Some(server)
-    }
-}
-
-impl Drop for PrometheusServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        Some(Self { process, _dir: dir })
     }
 }
 
@@ -117,12 +97,7 @@ fn exposition(consumer: &str, scrapes: u64) -> String {
 /// The latency figures of `consumer` in an activity answer: (p50, p99) of each bucket that has
 /// them.
 fn latencies(answer: &Value, consumer: &str) -> Vec<(f64, f64)> {
-    answer["consumers"]
-        .as_array()
-        .expect("consumers")
-        .iter()
-        .filter(|c| c["consumer"] == consumer)
-        .flat_map(|c| c["buckets"].as_array().expect("buckets").iter())
+    activity_buckets(answer, consumer)
         .filter_map(|b| Some((b["latency_p50_ms"].as_f64()?, b["latency_p99_ms"].as_f64()?)))
         .collect()
 }
@@ -160,7 +135,7 @@ async fn the_console_reads_the_shipped_rules_alerts_and_the_consumers_latency_fr
         return;
     };
     let mut state = fx.state(tokens(), None);
-    state.prometheus_url = Some(prometheus.url.clone());
+    state.prometheus_url = Some(prometheus.process.url.clone());
     let app = InProcess::new(state, crate::util::LOCAL, &Default::default());
 
     // The shipped rule for stale rows holds for ten minutes before it fires: pending now.
@@ -219,10 +194,7 @@ async fn the_console_reads_the_shipped_rules_alerts_and_the_consumers_latency_fr
         );
     }
     // The counts are still the ledger's.
-    let processed: u64 = activity["consumers"][0]["buckets"]
-        .as_array()
-        .expect("buckets")
-        .iter()
+    let processed: u64 = activity_buckets(&activity, CONSUMER)
         .map(|b| b["processed"].as_u64().expect("a count"))
         .sum();
     assert_eq!(processed, 3, "{activity:#}");

@@ -362,3 +362,55 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// A helper program (chromedriver, Prometheus) listening on a free loopback port, killed when
+/// dropped.
+pub(crate) struct LocalProcess {
+    child: std::process::Child,
+    /// The port it was told to listen on.
+    pub(crate) port: u16,
+    /// `http://127.0.0.1:<port>`.
+    pub(crate) url: String,
+}
+
+impl LocalProcess {
+    /// Picks a free port and starts `program` with the arguments `args` makes of it, its output
+    /// discarded.
+    pub(crate) fn spawn(program: &std::path::Path, args: impl FnOnce(u16) -> Vec<String>) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let child = std::process::Command::new(program)
+            .args(args(port))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{} starts: {e}", program.display()));
+        Self {
+            child,
+            port,
+            url: format!("http://127.0.0.1:{port}"),
+        }
+    }
+}
+
+impl Drop for LocalProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The buckets of `consumer` in an activity report.
+pub(crate) fn activity_buckets<'a>(
+    report: &'a Value,
+    consumer: &'a str,
+) -> impl Iterator<Item = &'a Value> {
+    report["consumers"]
+        .as_array()
+        .expect("consumers")
+        .iter()
+        .filter(move |c| c["consumer"] == consumer)
+        .flat_map(|c| c["buckets"].as_array().expect("buckets").iter())
+}
