@@ -105,7 +105,7 @@ pub(crate) struct ServeArgs {
     /// http://prometheus:9090: the console shows the rules' state and the consumers' p50/p99
     /// receipt-to-settlement latency. Without it the console evaluates the same conditions,
     /// and a latency from first receipt to processed, from the inbox tables.
-    #[arg(long, value_name = "URL", env = "INBOX_PROMETHEUS_URL", value_parser = http_url)]
+    #[arg(long, value_name = "URL", env = "INBOX_PROMETHEUS_URL")]
     prometheus_url: Option<String>,
 }
 
@@ -181,6 +181,14 @@ pub(crate) async fn run(servers: &Servers, args: ServeArgs) -> anyhow::Result<Ex
     let options = options(&args);
     // Refused before anything is connected: the error is about the command line.
     options.validate(args.listen, &tokens)?;
+    // Checked here rather than by clap, whose error would repeat the URL and its password.
+    if let Some(url) = &args.prometheus_url {
+        http_url(url).map_err(|e| anyhow::anyhow!("--prometheus-url: {e}"))?;
+    }
+    if let Some(url) = &args.management_url {
+        inbox_ops::ManagementClient::new(&servers.amqp_url, Some(url))
+            .context("--management-url")?;
+    }
     let metrics = crate::telemetry::metrics_recorder()?;
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
     let schema = SchemaName::new(&args.schema)?;

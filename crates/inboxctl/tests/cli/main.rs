@@ -1,6 +1,6 @@
 //! The operator tool's integration tests, one binary: the built `inboxctl` run as an operator
 //! runs it (`migrate`, `status`, `list`, `show`, `failures`, `redrive`, `reopen`,
-//! `replay-edited`, `recover`, `cleanup`, `grants`, `doctor`), against the real PostgreSQL and
+//! `replay-edited`, `recover`, `cleanup`, `grants`, `doctor`, `serve`), against the real PostgreSQL and
 //! RabbitMQ (`DATABASE_URL`, `AMQP_URL`; see the test kit) and RabbitMQ's management API. Each
 //! test works in its own schema and queues, removed afterwards.
 
@@ -10,4 +10,5 @@ mod doctor_cli;
 mod ops_commands;
 mod recover_cli;
 mod replay_cli;
+mod serve_cli;
 mod simultaneous_start;
