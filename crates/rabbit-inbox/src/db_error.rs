@@ -71,7 +71,8 @@ impl DbErrorClass {
 }
 
 /// SQLSTATEs that say the deployment, not the message, is wrong (see [`DbErrorClass::Deployment`]).
-pub(crate) const DEPLOYMENT_SQLSTATES: [&str; 6] = ["42P01", "42703", "42883", "42704", "3F000", "42501"];
+pub(crate) const DEPLOYMENT_SQLSTATES: [&str; 6] =
+    ["42P01", "42703", "42883", "42704", "3F000", "42501"];
 
 fn is_deployment_fault(sqlstate: &str) -> bool {
     DEPLOYMENT_SQLSTATES.contains(&sqlstate)

@@ -237,11 +237,10 @@ impl From<sqlx::Error> for HandlerError {
                 HandlerError::permanent(code, db.message().to_owned()).with_safe_detail(safe)
             }
             // Never recorded against a message: the runtime requeues it (see `DbErrorClass`).
-            (sqlx::Error::Database(db), DbErrorClass::Deployment) => HandlerError::retryable(
-                DEPLOYMENT_FAULT,
-                db.message().to_owned(),
-            )
-            .with_safe_detail(format!("SQLSTATE {}", db.code().unwrap_or_default())),
+            (sqlx::Error::Database(db), DbErrorClass::Deployment) => {
+                HandlerError::retryable(DEPLOYMENT_FAULT, db.message().to_owned())
+                    .with_safe_detail(format!("SQLSTATE {}", db.code().unwrap_or_default()))
+            }
             _ => HandlerError::retryable("db_error", e.to_string()),
         };
         error.db_class = Some(class);

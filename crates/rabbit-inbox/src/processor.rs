@@ -733,19 +733,20 @@ impl<H: BatchHandler> Processor<H> {
             .await
             .map_err(|e| TxError::Outage(e.to_string()))?;
         let mut result = match mode {
-            Mode::Optimistic => self
-                .apply(items, active, &mut tx, &copy_locks)
-                .await
-                .map(|(decided, txid)| {
-                    (
-                        Committed {
-                            decided,
-                            failed: Vec::new(),
-                            rest: Vec::new(),
-                        },
-                        txid,
-                    )
-                }),
+            Mode::Optimistic => {
+                self.apply(items, active, &mut tx, &copy_locks)
+                    .await
+                    .map(|(decided, txid)| {
+                        (
+                            Committed {
+                                decided,
+                                failed: Vec::new(),
+                                rest: Vec::new(),
+                            },
+                            txid,
+                        )
+                    })
+            }
             Mode::Savepoints => {
                 self.apply_in_groups(items, active, &mut tx, &copy_locks)
                     .await
@@ -770,9 +771,7 @@ impl<H: BatchHandler> Processor<H> {
                 tx.commit().await.map_err(|e| match DbErrorClass::of(&e) {
                     DbErrorClass::Deterministic
                     | DbErrorClass::Transient
-                    | DbErrorClass::Deployment => {
-                        TxError::from_db(&e, &e.to_string())
-                    }
+                    | DbErrorClass::Deployment => TxError::from_db(&e, &e.to_string()),
                     _ => TxError::Outage(e.to_string()),
                 })?;
                 self.record_transaction(began, "committed");
@@ -1419,7 +1418,11 @@ impl<H: BatchHandler> Processor<H> {
             .filter(|&k| {
                 matches!(
                     decided[k].1,
-                    Outcome::RetryScheduled { .. } | Outcome::Parked { attempt: Some(_), .. }
+                    Outcome::RetryScheduled { .. }
+                        | Outcome::Parked {
+                            attempt: Some(_),
+                            ..
+                        }
                 )
             })
             .collect();

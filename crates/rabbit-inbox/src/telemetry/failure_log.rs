@@ -182,7 +182,7 @@ mod tests {
         let log = FailureLog::new("orders", &config);
         let admitted: Vec<bool> = (0..5).map(|i| log.admit(i % 2 == 0)).collect();
         assert_eq!(admitted, [true, true, true, false, false]);
-        let window = log.window.lock().unwrap();
+        let window = log.window.lock().expect("unpoisoned");
         assert_eq!((window.parked, window.retries, window.left_out), (3, 2, 2));
     }
 
@@ -196,11 +196,11 @@ mod tests {
         assert!(log.admit(true));
         assert!(!log.admit(true));
         {
-            let mut window = log.window.lock().unwrap();
-            window.started = window.started.checked_sub(WINDOW).unwrap();
+            let mut window = log.window.lock().expect("unpoisoned");
+            window.started = window.started.checked_sub(WINDOW).expect("a minute after boot");
         }
         log.flush();
-        assert_eq!(log.window.lock().unwrap().left_out, 0);
+        assert_eq!(log.window.lock().expect("unpoisoned").left_out, 0);
         assert!(log.admit(true));
     }
 }

@@ -47,7 +47,8 @@ async fn a_valid_message_keeps_its_row_when_an_invalid_copy_follows() {
 
     // One batch: both are in the queue when the consumer starts.
     env.publish(&topology, &thing("x", 1)).await;
-    env.publish(&topology, &not_json(Some("x"), "{not json")).await;
+    env.publish(&topology, &not_json(Some("x"), "{not json"))
+        .await;
     let (handler, _plan) = env.handler();
     let consumer = env.start(config, handler);
     let row = env
@@ -56,7 +57,11 @@ async fn a_valid_message_keeps_its_row_when_an_invalid_copy_follows() {
         })
         .await;
     assert_eq!(row.delivery_count, 2, "both deliveries counted");
-    assert_eq!(env.effects("x").await, 1, "the valid message's effect applied");
+    assert_eq!(
+        env.effects("x").await,
+        1,
+        "the valid message's effect applied"
+    );
 
     // Two batches: the invalid copy arrives after the valid one committed.
     env.publish(&topology, &thing("y", 1)).await;
@@ -64,11 +69,10 @@ async fn a_valid_message_keeps_its_row_when_an_invalid_copy_follows() {
         r.status == InboxStatus::Processed
     })
     .await;
-    env.publish(&topology, &not_json(Some("y"), "{not json")).await;
-    env.wait_for_record("svc", "y", "conflict counted", |r| {
-        r.payload_conflicts == 1
-    })
-    .await;
+    env.publish(&topology, &not_json(Some("y"), "{not json"))
+        .await;
+    env.wait_for_record("svc", "y", "conflict counted", |r| r.payload_conflicts == 1)
+        .await;
     assert_eq!(env.effects("y").await, 1);
 
     let parked = env.take_parked(&topology, 2).await;
@@ -94,7 +98,8 @@ async fn an_invalid_message_delivered_first_owns_its_row() {
     let topology = config.topology.clone();
     env.declare(&config).await;
 
-    env.publish(&topology, &not_json(Some("x"), "{not json")).await;
+    env.publish(&topology, &not_json(Some("x"), "{not json"))
+        .await;
     env.publish(&topology, &thing("x", 1)).await;
     let (handler, _plan) = env.handler();
     let consumer = env.start(config, handler);
@@ -105,18 +110,21 @@ async fn an_invalid_message_delivered_first_owns_its_row() {
         .await;
     assert_eq!(row.status, InboxStatus::PermanentFailed);
     assert_eq!(row.last_error_code.as_deref(), Some("invalid_json"));
-    assert_eq!(env.effects("x").await, 0, "the later valid copy is not applied");
+    assert_eq!(
+        env.effects("x").await,
+        0,
+        "the later valid copy is not applied"
+    );
 
-    env.publish(&topology, &not_json(Some("y"), "{not json")).await;
+    env.publish(&topology, &not_json(Some("y"), "{not json"))
+        .await;
     env.wait_for_record("svc", "y", "parked", |r| {
         r.status == InboxStatus::PermanentFailed && r.parked_copy_at.is_some()
     })
     .await;
     env.publish(&topology, &thing("y", 1)).await;
-    env.wait_for_record("svc", "y", "conflict counted", |r| {
-        r.payload_conflicts == 1
-    })
-    .await;
+    env.wait_for_record("svc", "y", "conflict counted", |r| r.payload_conflicts == 1)
+        .await;
     assert_eq!(env.effects("y").await, 0);
     // Each key: the invalid message's own copy and the conflicting valid copy.
     let parked = env.take_parked(&topology, 4).await;
@@ -144,9 +152,12 @@ async fn an_invalid_copy_on_another_lane_waits_for_the_valid_message() {
     let (handler, plan) = env.handler();
     plan.for_id(id, Rule::Hold(latch.clone()));
     let mut valid = thing(id, 1);
-    valid.headers.insert("x-aggregate-id".into(), json!(aggregate));
+    valid
+        .headers
+        .insert("x-aggregate-id".into(), json!(aggregate));
     env.publish(&topology, &valid).await;
-    env.publish(&topology, &not_json(Some(id), "{not json")).await;
+    env.publish(&topology, &not_json(Some(id), "{not json"))
+        .await;
     let consumer = env.start(config, handler);
     wait_for("the valid message in its handler", async || {
         latch.arrivals() >= 1
@@ -228,9 +239,12 @@ async fn duplicates_across_instances_leave_one_parked_copy() {
         env.publish(&topology, &m).await;
     }
     for n in 0..30 {
-        env.wait_for_record("svc", &format!("p-{n}"), "parked, its duplicate counted", |r| {
-            r.status == InboxStatus::PermanentFailed && r.parked_duplicates == 1
-        })
+        env.wait_for_record(
+            "svc",
+            &format!("p-{n}"),
+            "parked, its duplicate counted",
+            |r| r.status == InboxStatus::PermanentFailed && r.parked_duplicates == 1,
+        )
         .await;
     }
     wait_for("the retry tiers empty", async || {
@@ -239,7 +253,11 @@ async fn duplicates_across_instances_leave_one_parked_copy() {
     })
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(env.depths(&topology).await.parking, 30, "one parked copy per row");
+    assert_eq!(
+        env.depths(&topology).await.parking,
+        30,
+        "one parked copy per row"
+    );
     a.stop().await;
     b.stop().await;
 }
@@ -288,7 +306,11 @@ async fn repeats_of_an_invalid_message_are_counted_on_its_row() {
     assert_eq!(row.parked_duplicates, 19);
     assert_eq!(history(&env, &synthetic, "duplicate").await, 19);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(env.depths(&topology).await.parking, 2, "one parked copy per row");
+    assert_eq!(
+        env.depths(&topology).await.parking,
+        2,
+        "one parked copy per row"
+    );
     consumer.stop().await;
 }
 
