@@ -105,6 +105,9 @@ pub struct ChaosArgs {
             "expiration",
             "invalid-copies",
             "simultaneous-start",
+            "duplicate-bursts",
+            "repeated-invalid",
+            "valid-then-invalid",
         ]
     )]
     hostile: Vec<Hostile>,
