@@ -8,13 +8,19 @@
 //! ```
 //! Lane channels are bounded and prefetch bounds unacked deliveries, so a slow database slows
 //! consumption instead of growing memory.
+//!
+//! Copies of one key are handled in delivery order, one at a time: while a delivery of a key
+//! is unsettled, later deliveries of that key go to the same lane ([`KeysInFlight`]), and a
+//! lane holds a later copy back until the batch before it is settled (its parking or retry
+//! copy confirmed and noted on the row). So the first delivery of a key owns its row, and a
+//! later copy finds the first one's copy noted instead of making a second.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     future::Future,
     hash::{DefaultHasher, Hash, Hasher},
     marker::PhantomData,
-    sync::Arc,
+    sync::{Arc, Mutex, PoisonError},
     time::Duration,
 };
 
@@ -238,6 +244,7 @@ impl<H> Consumer<H> {
         // A lane that cannot settle signals here: the channel is gone, and lapin does not always
         // end the delivery stream after a close, so the dispatcher must not wait for it.
         let broken = Arc::new(tokio::sync::Notify::new());
+        let keys = Arc::new(KeysInFlight::default());
         for _ in 0..self.config.lanes {
             // Bounded: when lanes fall behind, the dispatcher waits, and prefetch stops the
             // broker from pushing more.
@@ -260,6 +267,7 @@ impl<H> Consumer<H> {
                     #[cfg(feature = "fault-injection")]
                     connection: session.connection(),
                     broken: broken.clone(),
+                    keys: keys.clone(),
                 },
             ));
         }
@@ -329,7 +337,9 @@ impl<H> Consumer<H> {
             }
             let span =
                 telemetry::trace::delivery_span(&self.config.consumer_name, envelope_of(&parsed));
-            let lane = lane_of(&parsed, senders.len());
+            let lane = keys.route(&envelope_of(&parsed).message_id, || {
+                lane_of(&parsed, senders.len())
+            });
             if senders[lane].send((pending, parsed, span)).await.is_err() {
                 break Some("a lane stopped".to_owned());
             }
@@ -425,6 +435,49 @@ fn lane_of(parsed: &Parsed, lanes: usize) -> usize {
     (h.finish() % lanes as u64) as usize
 }
 
+/// The lane of each key with a delivery unsettled in this session, and how many: a later
+/// delivery of the key goes to that lane, whatever its own lane key says (an invalid copy has
+/// no aggregate id, a producer may change it), so that one lane sees every copy of a key in
+/// delivery order.
+#[derive(Default)]
+struct KeysInFlight(Mutex<HashMap<String, (usize, u32)>>);
+
+impl KeysInFlight {
+    /// The lane for a delivery of `key`: the lane of its unsettled copies, else `own`.
+    fn route(&self, key: &str, own: impl FnOnce() -> usize) -> usize {
+        let mut keys = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((lane, n)) = keys.get_mut(key) {
+            *n += 1;
+            return *lane;
+        }
+        let lane = own();
+        keys.insert(key.to_owned(), (lane, 1));
+        lane
+    }
+
+    /// The deliveries of these keys are settled (or given back to the broker).
+    fn settled<'a>(&self, keys: impl Iterator<Item = &'a str>) {
+        let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        for key in keys {
+            if let Some((_, n)) = map.get_mut(key) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(key);
+                }
+            }
+        }
+    }
+}
+
+/// Splits a batch into the first delivery of each key and the later ones, both in delivery
+/// order. The later ones wait for the next batch, after this one's settlement.
+fn first_copies(batch: Vec<Work>) -> (Vec<Work>, Vec<Work>) {
+    let mut seen = HashSet::with_capacity(batch.len());
+    batch
+        .into_iter()
+        .partition(|(_, parsed, _)| seen.insert(envelope_of(parsed).message_id.clone()))
+}
+
 struct LaneContext {
     processor: Arc<dyn Process>,
     settler: Arc<Settler>,
@@ -437,20 +490,40 @@ struct LaneContext {
     #[cfg(feature = "fault-injection")]
     connection: Arc<broker::ConnectionHandle>,
     broken: Arc<tokio::sync::Notify>,
+    keys: Arc<KeysInFlight>,
 }
 
 async fn lane(mut rx: mpsc::Receiver<Work>, ctx: LaneContext) {
     let unrecorded = Backoff::new(ctx.backoff.0, ctx.backoff.1);
     let mut db = ctx.processor.lane_connection();
-    while let Some(first) = rx.recv().await {
-        let mut batch = vec![first];
-        let deadline = Instant::now() + ctx.max_batch_delay;
-        while batch.len() < ctx.batch_size {
-            match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(work)) => batch.push(work),
-                Ok(None) | Err(_) => break,
+    // Later copies of a key held back from the last batch: they go first in the next one.
+    let mut held: Vec<Work> = Vec::new();
+    loop {
+        let mut batch = if held.is_empty() {
+            let Some(first) = rx.recv().await else { break };
+            vec![first]
+        } else {
+            std::mem::take(&mut held)
+        };
+        if batch.len() == 1 {
+            let deadline = Instant::now() + ctx.max_batch_delay;
+            while batch.len() < ctx.batch_size {
+                match tokio::time::timeout_at(deadline, rx.recv()).await {
+                    Ok(Some(work)) => batch.push(work),
+                    Ok(None) | Err(_) => break,
+                }
+            }
+        } else {
+            // Held copies are old already: take what is there, without waiting.
+            while batch.len() < ctx.batch_size {
+                match rx.try_recv() {
+                    Ok(work) => batch.push(work),
+                    Err(_) => break,
+                }
             }
         }
+        let (batch, later) = first_copies(batch);
+        held = later;
         let mut pendings = Vec::with_capacity(batch.len());
         let mut parsed = Vec::with_capacity(batch.len());
         let mut spans = Vec::with_capacity(batch.len());
@@ -473,12 +546,12 @@ async fn lane(mut rx: mpsc::Receiver<Work>, ctx: LaneContext) {
 
         // Nothing durable was written for these: hold them for a back-off before they go back
         // to the queue, so an outage does not become a hot redelivery loop.
-        if outcomes
-            .iter()
-            .any(|o| matches!(o, Outcome::Unrecorded { .. }))
-        {
+        if let Some(error) = outcomes.iter().find_map(|o| match o {
+            Outcome::Unrecorded { error } => Some(error),
+            _ => None,
+        }) {
             let delay = unrecorded.failed();
-            tracing::warn!(retry_in = ?delay, "database unavailable; requeueing after back-off");
+            tracing::warn!(retry_in = ?delay, %error, "outcomes could not be recorded; requeueing after back-off");
             tokio::time::sleep(delay).await;
         } else {
             unrecorded.succeeded();
@@ -513,6 +586,11 @@ async fn lane(mut rx: mpsc::Receiver<Work>, ctx: LaneContext) {
                 .record(committed.elapsed().as_secs_f64());
             unsettled
         };
+        // Settled: the copies are noted, so later deliveries of these keys may read the rows.
+        db.release_copy_locks().await;
+        ctx.keys
+            .settled(parsed.iter().map(|p| envelope_of(p).message_id.as_str()));
+        ctx.processor.flush_failure_log();
         // The deliveries' spans end here, at their settlement.
         drop(spans);
         if unsettled > 0 {

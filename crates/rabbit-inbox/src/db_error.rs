@@ -5,6 +5,11 @@
 //! recorded and parked. Only an outage (connection lost, server shutting down, out of
 //! resources) says nothing about the message: it is requeued and comes back when the database
 //! does. Deadlocks and serialization failures are resolved by running the transaction again.
+//! A statement that names a table, column, function, type or schema that does not exist, or
+//! one the role may not use, says the deployment is wrong (a missing migration, a
+//! `search_path` that resolves a name in the wrong schema, a missing grant), not the message:
+//! every message would fail the same way, so none is charged or parked; the deliveries are
+//! requeued with back-off until the deployment is fixed.
 
 /// The class of a database error, by SQLSTATE (or by the kind of client error).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -17,8 +22,13 @@ pub(crate) enum DbErrorClass {
     /// whoever ran that earlier statement, not necessarily the one that got the error.
     Aborted,
     /// Data exception, integrity violation, syntax or access rule, program limit (classes 22,
-    /// 23, 42, 54): the same message fails the same way again.
+    /// 23, 42, 54, except the deployment faults below): the same message fails the same way
+    /// again.
     Deterministic,
+    /// The service's SQL or grants do not match the database: undefined table (42P01), column
+    /// (42703), function (42883), object or type (42704), schema (3F000), or insufficient
+    /// privilege (42501). No message can be processed until the deployment is fixed.
+    Deployment,
     /// The database cannot serve now: connection errors (08), insufficient resources (53),
     /// operator intervention (57P0x), and every client-side I/O or pool error.
     Outage,
@@ -32,6 +42,7 @@ impl DbErrorClass {
         match code {
             "40001" | "40P01" => DbErrorClass::Transient,
             "25P02" | "25P01" | "25006" => DbErrorClass::Aborted,
+            c if is_deployment_fault(c) => DbErrorClass::Deployment,
             c if c.starts_with("57P0") => DbErrorClass::Outage,
             c => match c.get(..2) {
                 Some("22" | "23" | "42" | "54") => DbErrorClass::Deterministic,
@@ -56,6 +67,21 @@ impl DbErrorClass {
             | sqlx::Error::BeginFailed => DbErrorClass::Outage,
             _ => DbErrorClass::Other,
         }
+    }
+}
+
+/// SQLSTATEs that say the deployment, not the message, is wrong (see [`DbErrorClass::Deployment`]).
+pub(crate) const DEPLOYMENT_SQLSTATES: [&str; 6] = ["42P01", "42703", "42883", "42704", "3F000", "42501"];
+
+fn is_deployment_fault(sqlstate: &str) -> bool {
+    DEPLOYMENT_SQLSTATES.contains(&sqlstate)
+}
+
+/// The SQLSTATE of a database error, if it has one.
+pub(crate) fn sqlstate(e: &sqlx::Error) -> Option<String> {
+    match e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
     }
 }
 
@@ -85,7 +111,14 @@ mod tests {
             ("22001", Deterministic),
             ("23505", Deterministic),
             ("23503", Deterministic),
-            ("42P01", Deterministic),
+            ("42601", Deterministic),
+            ("42804", Deterministic),
+            ("42P01", Deployment),
+            ("42703", Deployment),
+            ("42883", Deployment),
+            ("42704", Deployment),
+            ("3F000", Deployment),
+            ("42501", Deployment),
             ("54000", Deterministic),
             ("08006", Outage),
             ("53300", Outage),

@@ -20,7 +20,7 @@ use crate::{
     db_error::{DbErrorClass, deterministic_code},
     envelope::Envelope,
     outbox::{Enqueued, Outbox, OutboxError, OutboxMessage, child_traceparent, emitted_message_id},
-    status::HANDLER_PANICKED,
+    status::{DEPLOYMENT_FAULT, HANDLER_PANICKED},
 };
 
 /// A message as a handler sees it: the envelope plus the consumer's view of it.
@@ -184,6 +184,13 @@ impl HandlerError {
         self.db_class
     }
 
+    /// The SQLSTATE of a deployment fault (see [`DbErrorClass::Deployment`]).
+    pub(crate) fn deployment_sqlstate(&self) -> Option<&str> {
+        (self.db_class == Some(DbErrorClass::Deployment))
+            .then(|| self.safe_detail.as_deref()?.strip_prefix("SQLSTATE "))
+            .flatten()
+    }
+
     /// Retryable or permanent.
     pub fn kind(&self) -> ErrorKind {
         self.kind
@@ -203,7 +210,10 @@ impl HandlerError {
 
 /// Database errors inside a handler. Deterministic ones (SQLSTATE classes 22, 23, 42, 54: bad
 /// data, a violated constraint, an invalid statement, a value over a limit) are permanent: the
-/// same statement fails again. The runtime treats the rest by their class, beyond `kind`:
+/// same statement fails again. A deployment fault (an undefined table, column, function, type
+/// or schema, or a missing privilege) is not the message's: it is never recorded, the
+/// deliveries are requeued with back-off and an ERROR is logged until the deployment is
+/// fixed. The runtime treats the rest by their class, beyond `kind`:
 /// deadlocks and serialization failures run the transaction again without charging an
 /// attempt, an outage requeues the message without charging it, and "transaction aborted"
 /// (25P02) blames whichever message's statement failed first. Anything else is retryable.
@@ -226,6 +236,12 @@ impl From<sqlx::Error> for HandlerError {
                 }
                 HandlerError::permanent(code, db.message().to_owned()).with_safe_detail(safe)
             }
+            // Never recorded against a message: the runtime requeues it (see `DbErrorClass`).
+            (sqlx::Error::Database(db), DbErrorClass::Deployment) => HandlerError::retryable(
+                DEPLOYMENT_FAULT,
+                db.message().to_owned(),
+            )
+            .with_safe_detail(format!("SQLSTATE {}", db.code().unwrap_or_default())),
             _ => HandlerError::retryable("db_error", e.to_string()),
         };
         error.db_class = Some(class);

@@ -9,9 +9,12 @@
 //! together in one short transaction afterwards.
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::{HashMap, HashSet, VecDeque},
     panic::AssertUnwindSafe,
-    sync::{Arc, Mutex, PoisonError, atomic::AtomicU32},
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicBool, AtomicU32, Ordering},
+    },
 };
 
 use futures::FutureExt;
@@ -20,7 +23,7 @@ use sqlx::{Connection, PgConnection, PgPool, Postgres, pool::PoolConnection};
 
 use crate::{
     config::ConsumerConfig,
-    db_error::{DbErrorClass, deterministic_code},
+    db_error::{DbErrorClass, deterministic_code, sqlstate},
     envelope::{Envelope, InvalidMessage},
     error::StoreError,
     handler::{BatchError, BatchHandler, ErrorKind, HandlerError, InboxMessage},
@@ -32,7 +35,10 @@ use crate::{
         TRANSACTION_ABORTED,
     },
     store::{Claim, Failure, InboxRecord, InboxStore, Redelivery},
-    telemetry::metrics as m,
+    telemetry::{
+        failure_log::{FailureLine, FailureLog},
+        metrics as m,
+    },
 };
 
 /// A delivery after parsing: an envelope, or the reason it cannot be processed.
@@ -52,11 +58,42 @@ const REQUEUE_WARN_AFTER: u32 = 3;
 pub(crate) struct LaneConnection {
     pool: PgPool,
     conn: Option<PoolConnection<Postgres>>,
+    /// Set when this session took a copy lock ([`InboxStore::try_copy_locks`]); the lane
+    /// releases them once the batch's copies are noted.
+    copy_locks: Arc<AtomicBool>,
 }
 
 impl LaneConnection {
     pub(crate) fn new(pool: PgPool) -> Self {
-        Self { pool, conn: None }
+        Self {
+            pool,
+            conn: None,
+            copy_locks: Arc::default(),
+        }
+    }
+
+    /// The flag a statement sets when it takes copy locks on this connection.
+    fn copy_lock_flag(&self) -> Arc<AtomicBool> {
+        self.copy_locks.clone()
+    }
+
+    /// Releases the copy locks this session holds: the batch's copies are settled (confirmed
+    /// and noted, or requeued), so later deliveries of those keys read the row. On an error
+    /// the connection goes, and the session's locks with it.
+    pub(crate) async fn release_copy_locks(&mut self) {
+        if !self.copy_locks.swap(false, Ordering::Relaxed) {
+            return;
+        }
+        let Some(conn) = self.conn.as_mut() else {
+            return;
+        };
+        if let Err(error) = sqlx::raw_sql("SELECT pg_advisory_unlock_all()")
+            .execute(&mut **conn)
+            .await
+        {
+            tracing::debug!(%error, "copy locks could not be released; closing the connection");
+            self.discard();
+        }
     }
 
     async fn get(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
@@ -79,6 +116,8 @@ impl LaneConnection {
     }
 
     pub(crate) fn discard(&mut self) {
+        // The session's copy locks end with it.
+        self.copy_locks.store(false, Ordering::Relaxed);
         if let Some(conn) = self.conn.take() {
             // Closed, not returned: its session settings are the lane's, not the pool's.
             drop(conn.detach());
@@ -107,6 +146,9 @@ pub(crate) trait Process: Send + Sync + 'static {
 
     /// The ledger the lane notes its confirmed copies in.
     fn store(&self) -> (&InboxStore, &str);
+
+    /// Called after each batch: writes the failure log's summary of a window that is over.
+    fn flush_failure_log(&self);
 }
 
 impl LaneConnection {
@@ -153,6 +195,10 @@ impl<H: BatchHandler> Process for Processor<H> {
     fn store(&self) -> (&InboxStore, &str) {
         (&self.store, &self.consumer)
     }
+
+    fn flush_failure_log(&self) {
+        Processor::flush_failure_log(self);
+    }
 }
 
 pub(crate) struct Processor<H> {
@@ -169,6 +215,12 @@ pub(crate) struct Processor<H> {
     requeues: Mutex<HashMap<String, u32>>,
     /// Metric labels of this consumer.
     stats: Arc<ConsumerStats>,
+    /// The lines of failed messages, rate-limited per consumer.
+    failure_log: FailureLog,
+    /// Where parked copies go, for the log.
+    parking_queue: String,
+    /// Retry tier queues by tier, for the log.
+    retry_tiers: Vec<String>,
 }
 
 /// Why a batch transaction did not commit.
@@ -185,6 +237,14 @@ enum TxError {
     /// The database cannot serve (or the commit outcome is unknown): nothing is charged, the
     /// messages are requeued.
     Outage(String),
+    /// The database says the deployment is wrong, not the message (see
+    /// [`DbErrorClass::Deployment`]): the message at `index` (every message of the
+    /// transaction when unknown) is requeued with nothing recorded, and the fault reported.
+    Deployment {
+        index: Option<usize>,
+        sqlstate: String,
+        error: String,
+    },
 }
 
 impl TxError {
@@ -212,6 +272,11 @@ impl TxError {
                     text.to_owned(),
                 ))
             }
+            DbErrorClass::Deployment => TxError::Deployment {
+                index: None,
+                sqlstate: sqlstate(e).unwrap_or_default(),
+                error: text.to_owned(),
+            },
             DbErrorClass::Outage | DbErrorClass::Other => TxError::Outage(text.to_owned()),
         }
     }
@@ -221,6 +286,11 @@ impl TxError {
         match e.db_class() {
             Some(DbErrorClass::Transient) => TxError::Transient(e.to_string()),
             Some(DbErrorClass::Outage) => TxError::Outage(e.to_string()),
+            Some(DbErrorClass::Deployment) => TxError::Deployment {
+                index,
+                sqlstate: e.deployment_sqlstate().unwrap_or_default().to_owned(),
+                error: e.message().to_owned(),
+            },
             // The statement failed because an earlier one did, maybe another message's.
             Some(DbErrorClass::Aborted) => TxError::Isolate(aborted()),
             _ => match index {
@@ -305,24 +375,77 @@ impl<H: BatchHandler> Processor<H> {
             body_must_match: config.envelope.dedup.body_must_match(),
             requeues: Mutex::default(),
             stats,
+            failure_log: FailureLog::new(&config.consumer_name, &config.telemetry),
+            parking_queue: config.topology.parking_queue.clone(),
+            retry_tiers: config.topology.retry_tier_queues(&config.retry),
         }
+    }
+
+    /// Logs a failed message's outcome (parked at WARN, a retry at the configured level),
+    /// with the safe detail only: a message text may quote the body.
+    pub(crate) fn log_failure(
+        &self,
+        envelope: &Envelope,
+        outcome: &Outcome,
+        safe_detail: Option<&str>,
+    ) {
+        let line = |code, attempt, queue| FailureLine {
+            message_id: &envelope.message_id,
+            message_type: &envelope.message_type,
+            code,
+            safe_detail,
+            attempt,
+            queue,
+        };
+        match outcome {
+            Outcome::Parked {
+                status,
+                code,
+                attempt,
+                ..
+            } => self
+                .failure_log
+                .parked(*status, &line(code, *attempt, &self.parking_queue)),
+            Outcome::RetryScheduled { attempt, code } => {
+                let tier = self.retry.tier_of_attempt(*attempt);
+                let queue = self
+                    .retry_tiers
+                    .get(tier)
+                    .or(self.retry_tiers.last())
+                    .map_or("", String::as_str);
+                let delay = self.retry.delays.get(tier).copied().unwrap_or_default();
+                self.failure_log
+                    .retry_scheduled(delay, &line(code, Some(*attempt), queue));
+            }
+            _ => {}
+        }
+    }
+
+    /// Writes the summary of a window whose lines were cut short, once it is over.
+    pub(crate) fn flush_failure_log(&self) {
+        self.failure_log.flush();
     }
 
     /// Processes a batch; returns one outcome per item, in order.
     pub(crate) async fn process(&self, items: &[Parsed], db: &mut LaneConnection) -> Vec<Outcome> {
         let mut outcomes: Vec<Option<Outcome>> = vec![None; items.len()];
-        self.record_invalid(items, &mut outcomes, db).await;
-
         // The same key twice in one batch: later copies wait for a later round, where they meet
-        // the first copy's committed outcome like any redelivery.
-        let mut pending: Vec<usize> = (0..items.len()).filter(|&i| items[i].is_ok()).collect();
+        // the first copy's committed outcome like any redelivery. Valid or not, the first
+        // delivery of a key owns its row: an invalid copy never records before a valid one
+        // delivered ahead of it. (The lane gives each batch distinct keys and holds later
+        // copies back until the batch's copies are confirmed and noted; rounds keep other
+        // callers right.)
+        let mut pending: Vec<usize> = (0..items.len()).collect();
         while !pending.is_empty() {
-            let mut seen = HashMap::new();
-            let (round, later): (Vec<usize>, Vec<usize>) = pending.into_iter().partition(|&i| {
-                let key = envelope_of(items, i).message_id.as_str();
-                seen.insert(key, ()).is_none()
-            });
-            self.run_round(items, round, &mut outcomes, db).await;
+            let mut seen = HashSet::new();
+            let (round, later): (Vec<usize>, Vec<usize>) = pending
+                .into_iter()
+                .partition(|&i| seen.insert(envelope_of(items, i).message_id.as_str()));
+            let (valid, invalid): (Vec<usize>, Vec<usize>) =
+                round.into_iter().partition(|&i| items[i].is_ok());
+            self.record_invalid_of(items, &invalid, &mut outcomes, db)
+                .await;
+            self.run_round(items, valid, &mut outcomes, db).await;
             pending = later;
         }
         self.finish(items, outcomes)
@@ -350,11 +473,22 @@ impl<H: BatchHandler> Processor<H> {
         outcomes: &mut [Option<Outcome>],
         db: &mut LaneConnection,
     ) {
-        let invalid: Vec<PendingFailure> = items
+        let all: Vec<usize> = (0..items.len()).collect();
+        self.record_invalid_of(items, &all, outcomes, db).await;
+    }
+
+    /// [`Processor::record_invalid`] for the invalid items among `indexes`.
+    async fn record_invalid_of(
+        &self,
+        items: &[Parsed],
+        indexes: &[usize],
+        outcomes: &mut [Option<Outcome>],
+        db: &mut LaneConnection,
+    ) {
+        let invalid: Vec<PendingFailure> = indexes
             .iter()
-            .enumerate()
-            .filter_map(|(index, item)| {
-                let invalid = item.as_ref().err()?;
+            .filter_map(|&index| {
+                let invalid = items[index].as_ref().err()?;
                 Some(PendingFailure {
                     index,
                     status: InboxStatus::PermanentFailed,
@@ -442,6 +576,7 @@ impl<H: BatchHandler> Processor<H> {
     ) {
         let mut queue = VecDeque::from([(round, Mode::Optimistic)]);
         let mut failed: Vec<PendingFailure> = Vec::new();
+        let mut deployment_faults: Vec<(String, String)> = Vec::new();
         let mut transient_retries = 0;
         while let Some((active, mode)) = queue.pop_front() {
             if active.is_empty() {
@@ -458,6 +593,12 @@ impl<H: BatchHandler> Processor<H> {
                 Ok(done) => {
                     transient_retries = 0;
                     for (i, outcome) in done.decided {
+                        if let Outcome::Parked { code, message, .. } = &outcome
+                            && code == PAYLOAD_CONFLICT
+                        {
+                            // The library's words (ids and hashes): safe to log.
+                            self.log_failure(envelope_of(items, i), &outcome, Some(message));
+                        }
                         outcomes[i] = Some(outcome);
                     }
                     failed.extend(done.failed.iter().map(|(i, e)| self.handler_failure(*i, e)));
@@ -500,11 +641,65 @@ impl<H: BatchHandler> Processor<H> {
                         });
                     }
                 }
+                // Not the message's fault: requeued with nothing recorded. A culprit named by
+                // the handler goes alone and the rest runs again (other message types may be
+                // fine); otherwise the whole transaction's messages go back.
+                Err(TxError::Deployment {
+                    index,
+                    sqlstate,
+                    error,
+                }) => {
+                    let requeued = match index {
+                        Some(i) => {
+                            queue.push_front((without(&[i]), Mode::Savepoints));
+                            vec![i]
+                        }
+                        None => active,
+                    };
+                    for &i in &requeued {
+                        outcomes[i] = Some(Outcome::Unrecorded {
+                            error: format!("deployment fault (SQLSTATE {sqlstate}): {error}"),
+                        });
+                        deployment_faults.push((sqlstate.clone(), error.clone()));
+                    }
+                }
             }
+        }
+        if !deployment_faults.is_empty() {
+            self.report_deployment_faults(&deployment_faults);
         }
         if !failed.is_empty() {
             self.record_failures(items, failed, outcomes, db).await;
         }
+    }
+
+    /// Logs and counts deliveries requeued for a deployment fault: the service cannot run
+    /// until it is fixed, and an operator must hear of it (nothing is parked to show it). One
+    /// line per round; the lane's back-off bounds how often.
+    fn report_deployment_faults(&self, faults: &[(String, String)]) {
+        let consumer = self.stats.consumer_label();
+        let mut by_state: Vec<(&str, u64)> = Vec::new();
+        for (state, _) in faults {
+            match by_state.iter_mut().find(|(s, _)| s == state) {
+                Some((_, n)) => *n += 1,
+                None => by_state.push((state, 1)),
+            }
+        }
+        for (state, n) in by_state {
+            metrics::counter!(m::DEPLOYMENT_FAULTS, "consumer" => consumer.clone(), "sqlstate" => state.to_owned())
+                .increment(n);
+        }
+        let (sqlstate, error) = &faults[0];
+        tracing::error!(
+            consumer = %self.consumer,
+            sqlstate = %sqlstate,
+            %error,
+            requeued = faults.len(),
+            "the database refuses the consumer's statements (undefined table, column, function, \
+             type or schema, or a missing privilege): a deployment fault, not the messages'. \
+             Nothing is parked or charged; the deliveries are requeued and retried with back-off. \
+             Run the missing migration, fix the search_path or grant the privilege"
+        );
     }
 
     fn handler_failure(&self, index: usize, e: &HandlerError) -> PendingFailure {
@@ -532,13 +727,14 @@ impl<H: BatchHandler> Processor<H> {
         db: &mut LaneConnection,
     ) -> Result<Committed, TxError> {
         let began = std::time::Instant::now();
+        let copy_locks = db.copy_lock_flag();
         let mut tx = db
             .begin()
             .await
             .map_err(|e| TxError::Outage(e.to_string()))?;
         let mut result = match mode {
             Mode::Optimistic => self
-                .apply(items, active, &mut tx)
+                .apply(items, active, &mut tx, &copy_locks)
                 .await
                 .map(|(decided, txid)| {
                     (
@@ -550,7 +746,10 @@ impl<H: BatchHandler> Processor<H> {
                         txid,
                     )
                 }),
-            Mode::Savepoints => self.apply_in_groups(items, active, &mut tx).await,
+            Mode::Savepoints => {
+                self.apply_in_groups(items, active, &mut tx, &copy_locks)
+                    .await
+            }
         };
         if let Ok((_, Some(txid))) = &result {
             // One check per batch, only when a handler ran: the transaction must still be the
@@ -569,7 +768,9 @@ impl<H: BatchHandler> Processor<H> {
                 // comes back, and the inbox tells on redelivery whether it committed. Only a
                 // deferred constraint is known to have failed for the data's sake.
                 tx.commit().await.map_err(|e| match DbErrorClass::of(&e) {
-                    DbErrorClass::Deterministic | DbErrorClass::Transient => {
+                    DbErrorClass::Deterministic
+                    | DbErrorClass::Transient
+                    | DbErrorClass::Deployment => {
                         TxError::from_db(&e, &e.to_string())
                     }
                     _ => TxError::Outage(e.to_string()),
@@ -602,6 +803,7 @@ impl<H: BatchHandler> Processor<H> {
         items: &[Parsed],
         active: &[usize],
         tx: &mut PgConnection,
+        copy_locks: &AtomicBool,
     ) -> Result<(Committed, Option<i64>), TxError> {
         let mut done = Committed {
             decided: Vec::with_capacity(active.len()),
@@ -625,7 +827,7 @@ impl<H: BatchHandler> Processor<H> {
             }
             savepoint(tx, "SAVEPOINT inbox_group").await?;
             savepoints += 1;
-            let blamed = match self.apply(items, &group, tx).await {
+            let blamed = match self.apply(items, &group, tx, copy_locks).await {
                 Ok((decided, t)) => {
                     done.decided.extend(decided);
                     txid = t.or(txid);
@@ -658,6 +860,7 @@ impl<H: BatchHandler> Processor<H> {
         items: &[Parsed],
         active: &[usize],
         tx: &mut PgConnection,
+        copy_locks: &AtomicBool,
     ) -> Result<(Vec<(usize, Outcome)>, Option<i64>), TxError> {
         let envelopes: Vec<&Envelope> = active.iter().map(|&i| envelope_of(items, i)).collect();
         let batch = self
@@ -675,6 +878,8 @@ impl<H: BatchHandler> Processor<H> {
         let mut first_received: Vec<(usize, chrono::DateTime<chrono::Utc>)> = Vec::new();
         let mut stale_taken_over = 0u64;
         let mut redeliveries = Vec::new();
+        // Rows whose copy may be in flight elsewhere: parked or retryable, no copy noted.
+        let mut contested: Vec<(usize, Box<InboxRecord>)> = Vec::new();
         for ((&i, envelope), claim) in active.iter().zip(&envelopes).zip(batch.claims) {
             let record = match claim {
                 Claim::Claimed => {
@@ -702,9 +907,11 @@ impl<H: BatchHandler> Processor<H> {
             }
             let outcome = match record.status {
                 InboxStatus::Processed => Outcome::Duplicate,
-                InboxStatus::RetryableFailed => {
-                    reclaim.push(i);
-                    first_received.push((i, record.first_received_at));
+                InboxStatus::RetryableFailed
+                | InboxStatus::PermanentFailed
+                | InboxStatus::Poisoned
+                | InboxStatus::ManualReview => {
+                    contested.push((i, record));
                     continue;
                 }
                 InboxStatus::Processing => {
@@ -720,13 +927,38 @@ impl<H: BatchHandler> Processor<H> {
                     }
                     Outcome::InFlightElsewhere
                 }
-                // Parked, but no confirmed parking copy is noted (the confirm never came, or
-                // the process died before noting it): park this copy rather than risk losing it.
-                InboxStatus::PermanentFailed
-                | InboxStatus::Poisoned
-                | InboxStatus::ManualReview => parked_again(&record),
             };
             decided.push((i, outcome));
+        }
+        if !contested.is_empty() {
+            let ids: Vec<&str> = contested
+                .iter()
+                .map(|(i, _)| envelope_of(items, *i).message_id.as_str())
+                .collect();
+            let mine = self
+                .store
+                .try_copy_locks(&mut *tx, &self.consumer, &ids)
+                .await
+                .map_err(TxError::from_store)?;
+            if mine.contains(&true) {
+                copy_locks.store(true, Ordering::Relaxed);
+            }
+            for ((i, record), mine) in contested.into_iter().zip(mine) {
+                if !mine {
+                    // Another session decided on this row's copy and has not noted it yet: a
+                    // second copy would be a second parked (or retry) copy. This one goes
+                    // round a retry tier and then finds the copy noted.
+                    decided.push((i, Outcome::InFlightElsewhere));
+                } else if record.status == InboxStatus::RetryableFailed {
+                    reclaim.push(i);
+                    first_received.push((i, record.first_received_at));
+                } else {
+                    // Parked, but no confirmed parking copy is noted and none is on its way
+                    // (the confirm never came, or the process died before noting it): park
+                    // this copy rather than risk losing it.
+                    decided.push((i, parked_again(&record)));
+                }
+            }
         }
         if !reclaim.is_empty() {
             let ids: Vec<&str> = reclaim
@@ -939,6 +1171,11 @@ impl<H: BatchHandler> Processor<H> {
             {
                 Ok(decided) => {
                     for (i, outcome) in decided {
+                        let safe_detail = failures
+                            .iter()
+                            .find(|f| f.index == i)
+                            .and_then(|f| f.safe_detail.as_deref());
+                        self.log_failure(envelope_of(items, i), &outcome, safe_detail);
                         outcomes[i] = Some(outcome);
                     }
                     return;
@@ -983,9 +1220,10 @@ impl<H: BatchHandler> Processor<H> {
         one_by_one: bool,
         db: &mut LaneConnection,
     ) -> Result<Vec<(usize, Outcome)>, FailureTxError> {
+        let copy_locks = db.copy_lock_flag();
         let mut tx = db.begin().await.map_err(FailureTxError::outage)?;
         let result = self
-            .write_failures(items, failures, one_by_one, &mut tx)
+            .write_failures(items, failures, one_by_one, &mut tx, &copy_locks)
             .await;
         match result {
             Ok(decided) => {
@@ -1005,6 +1243,7 @@ impl<H: BatchHandler> Processor<H> {
         failures: &[PendingFailure],
         one_by_one: bool,
         tx: &mut PgConnection,
+        copy_locks: &AtomicBool,
     ) -> Result<Vec<(usize, Outcome)>, FailureTxError> {
         let ids: Vec<&str> = failures
             .iter()
@@ -1017,7 +1256,9 @@ impl<H: BatchHandler> Processor<H> {
             .map_err(FailureTxError::store)?;
         let row_of = |id: &str| existing.iter().find(|r| r.message_id == id);
         let mut decided = Vec::with_capacity(failures.len());
-        let mut conflicts = Vec::new();
+        // Deliveries noted on rows the failure statement left alone: conflicting invalid
+        // copies, and copies of rows already PROCESSED or parked. Every delivery is counted.
+        let mut notes = Vec::new();
         let mut to_record = Vec::with_capacity(failures.len());
         for (k, f) in failures.iter().enumerate() {
             let envelope = envelope_of(items, f.index);
@@ -1028,7 +1269,7 @@ impl<H: BatchHandler> Processor<H> {
                 // An invalid copy under the key of another message (a valid one, or another
                 // invalid body): a payload conflict. Counted on the row, which stays the valid
                 // copy's; the copy is parked with both reasons.
-                conflicts.push(Redelivery {
+                notes.push(Redelivery {
                     message_id: &envelope.message_id,
                     conflicting_sha256: Some(&envelope.payload_sha256[..]),
                     duplicate_of: None,
@@ -1114,7 +1355,8 @@ impl<H: BatchHandler> Processor<H> {
                         message: f.message.clone(),
                         attempt: Some(attempt),
                     },
-                    // The row is PROCESSED or parked and was left alone.
+                    // The row is PROCESSED or parked and was left alone: this delivery is
+                    // counted on it as a repeat (of its effect, or of its parked copy).
                     None => {
                         let row = self
                             .store
@@ -1122,9 +1364,22 @@ impl<H: BatchHandler> Processor<H> {
                             .await
                             .map_err(FailureTxError::store)?;
                         match row {
-                            Some(row) if row.status == InboxStatus::Processed => Outcome::Duplicate,
+                            Some(row) if row.status == InboxStatus::Processed => {
+                                notes.push(Redelivery {
+                                    message_id: &envelope.message_id,
+                                    conflicting_sha256: None,
+                                    duplicate_of: None,
+                                });
+                                Outcome::Duplicate
+                            }
                             Some(row) if row.status.is_parked() => {
-                                match row.pending_copy(None, chrono::Utc::now()) {
+                                let copy = row.pending_copy(None, chrono::Utc::now());
+                                notes.push(Redelivery {
+                                    message_id: &envelope.message_id,
+                                    conflicting_sha256: None,
+                                    duplicate_of: copy,
+                                });
+                                match copy {
                                     Some(copy) => Outcome::CopyPending { copy },
                                     None => parked_again(&row),
                                 }
@@ -1142,10 +1397,50 @@ impl<H: BatchHandler> Processor<H> {
             }
         }
         self.store
-            .note_redeliveries(&mut *tx, &self.consumer, &conflicts)
+            .note_redeliveries(&mut *tx, &self.consumer, &notes)
             .await
             .map_err(FailureTxError::store)?;
+        self.hold_copy_locks(&mut decided, items, tx, copy_locks)
+            .await?;
         Ok(decided)
+    }
+
+    /// Takes the copy lock of every row whose copy this transaction decided on (a retry copy,
+    /// the row's parked copy). Where another session holds it, that session's copy of the row
+    /// is on its way: this delivery goes round a retry tier instead of becoming a second copy.
+    async fn hold_copy_locks(
+        &self,
+        decided: &mut [(usize, Outcome)],
+        items: &[Parsed],
+        tx: &mut PgConnection,
+        copy_locks: &AtomicBool,
+    ) -> Result<(), FailureTxError> {
+        let copying: Vec<usize> = (0..decided.len())
+            .filter(|&k| {
+                matches!(
+                    decided[k].1,
+                    Outcome::RetryScheduled { .. } | Outcome::Parked { attempt: Some(_), .. }
+                )
+            })
+            .collect();
+        let ids: Vec<&str> = copying
+            .iter()
+            .map(|&k| envelope_of(items, decided[k].0).message_id.as_str())
+            .collect();
+        let mine = self
+            .store
+            .try_copy_locks(tx, &self.consumer, &ids)
+            .await
+            .map_err(FailureTxError::store)?;
+        if mine.contains(&true) {
+            copy_locks.store(true, Ordering::Relaxed);
+        }
+        for (k, mine) in copying.into_iter().zip(mine) {
+            if !mine {
+                decided[k].1 = Outcome::InFlightElsewhere;
+            }
+        }
+        Ok(())
     }
 }
 

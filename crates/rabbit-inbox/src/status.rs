@@ -138,6 +138,11 @@ pub const TRANSACTION_ABORTED: &str = "transaction_aborted";
 /// panic in a handler is a bug the message exposed, and retrying runs into it again.
 pub const HANDLER_PANICKED: &str = "handler_panicked";
 
+/// Error code of a database error that says the deployment is wrong, not the message (an
+/// undefined table, column, function, type or schema; a missing privilege). Never recorded on
+/// a row: the deliveries are requeued with back-off until the deployment is fixed.
+pub const DEPLOYMENT_FAULT: &str = "db_deployment_fault";
+
 /// Error code of a handler's failure caused by a lost lease (see [`crate::LeaseError::Lost`]).
 pub const LEASE_LOST: &str = "lease_lost";
 

@@ -517,6 +517,22 @@ fn record_from_row(row: &sqlx::postgres::PgRow) -> Result<InboxRecord, StoreErro
 }
 
 /// The trace id part of a W3C `traceparent` (`version-traceid-parentid-flags`).
+/// The advisory lock key of a row's copy in flight: the first 8 bytes of
+/// SHA-256(consumer, NUL, message id, NUL, "copy"). A collision only makes a copy wait for a
+/// retry tier once.
+pub(crate) fn copy_lock_key(consumer: &str, message_id: &str) -> i64 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in [consumer, message_id, "copy"] {
+        h.update(part.as_bytes());
+        h.update([0u8]);
+    }
+    let digest = h.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
+}
+
 fn trace_id(traceparent: Option<&str>) -> Option<String> {
     traceparent?.split('-').nth(1).map(str::to_owned)
 }
@@ -874,6 +890,36 @@ impl InboxStore {
             .iter()
             .map(record_from_row)
             .collect()
+    }
+
+    /// Takes, where no other session holds it, the session-level advisory lock that says "a
+    /// copy of this row's current state is on its way to the broker" (see
+    /// [`copy_lock_key`]). Returns, per id in order, whether this session holds it now. Taken
+    /// in the transaction that decides on the copy, under the row lock, and released by the
+    /// lane once the copy is noted on the row ([`crate::processor::LaneConnection`]): a
+    /// decider that finds the row parked or retryable without a noted copy and cannot take
+    /// the lock knows the copy is in flight elsewhere and does not make a second one.
+    pub(crate) async fn try_copy_locks(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        message_ids: &[&str],
+    ) -> Result<Vec<bool>, StoreError> {
+        if message_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<i64> = message_ids
+            .iter()
+            .map(|id| copy_lock_key(consumer, id))
+            .collect();
+        Ok(sqlx::query_scalar(
+            "SELECT pg_try_advisory_lock(k) FROM unnest($1::int8[]) WITH ORDINALITY AS u(k, n) \
+             ORDER BY n",
+        )
+        .persistent(false)
+        .bind(keys)
+        .fetch_all(conn)
+        .await?)
     }
 
     /// The transaction's current id as PostgreSQL sees it: `None` outside a transaction that

@@ -386,7 +386,7 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
                 self.payload_storage != PayloadStorage::Never,
             )
             .await;
-        match recorded {
+        let outcome = match recorded {
             Ok(Some((InboxStatus::RetryableFailed, attempt))) => Outcome::RetryScheduled {
                 attempt,
                 code: e.code().to_owned(),
@@ -401,7 +401,10 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
             Err(error) => Outcome::Unrecorded {
                 error: format!("could not record failure {}: {error}", e.code()),
             },
-        }
+        };
+        self.recorder
+            .log_failure(envelope, &outcome, e.safe_detail());
+        outcome
     }
 
     /// This worker's lease was taken over: the delivery is settled by the row as it is now,
@@ -449,5 +452,9 @@ impl<L: LeasedHandler> Process for LeasedProcessor<L> {
 
     fn store(&self) -> (&InboxStore, &str) {
         (&self.store, &self.consumer)
+    }
+
+    fn flush_failure_log(&self) {
+        self.recorder.flush_failure_log();
     }
 }

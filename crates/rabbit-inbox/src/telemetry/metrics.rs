@@ -37,6 +37,10 @@ pub const DUPLICATES: &str = "rabbit_inbox_duplicates_total";
 pub const SETTLE_FAILURES: &str = "rabbit_inbox_settle_failures_total";
 /// Messages requeued "database unavailable" more than three times in a row. Labels: `consumer`.
 pub const REPEATED_REQUEUES: &str = "rabbit_inbox_repeated_requeues_total";
+/// Deliveries requeued because the database said the deployment is wrong, not the message
+/// (an undefined table, column, function, type or schema; a missing privilege). Labels:
+/// `consumer`, `sqlstate` (one of six codes, see docs/reliability.md).
+pub const DEPLOYMENT_FAULTS: &str = "rabbit_inbox_deployment_faults_total";
 /// PROCESSING rows older than `retry.stale_processing_after` taken over by this consumer.
 /// Labels: `consumer`.
 pub const STALE_LEASE_RECOVERIES: &str = "rabbit_inbox_stale_lease_recoveries_total";
@@ -194,6 +198,10 @@ pub fn describe() {
         "Messages requeued more than three times in a row because the database was unavailable"
     );
     describe_counter!(
+        DEPLOYMENT_FAULTS,
+        "Deliveries requeued because the database refused the deployment (undefined table, column, function, type or schema; missing privilege)"
+    );
+    describe_counter!(
         STALE_LEASE_RECOVERIES,
         "Stale PROCESSING rows taken over by this consumer"
     );
@@ -335,6 +343,7 @@ mod tests {
         let labels = MessageTypeLabels::new(&TelemetryConfig {
             known_message_types: vec!["OrderPlaced".into()],
             max_message_types: 2,
+            ..TelemetryConfig::default()
         });
         let folded = labels.fold(["OrderPlaced", "a", "b", "c", "a", "OrderPlaced", "d"]);
         let folded: Vec<&str> = folded.iter().map(|s| s.as_ref()).collect();

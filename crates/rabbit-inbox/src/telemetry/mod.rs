@@ -2,6 +2,7 @@
 //! that need the database come from [`crate::InboxSampler`]) and a tracing span per delivery
 //! (`trace`).
 
+pub(crate) mod failure_log;
 pub mod metrics;
 pub(crate) mod trace;
 
@@ -14,6 +15,12 @@ pub struct TelemetryConfig {
     /// Other message types labelled by name, first seen first; later ones are labelled
     /// `other`. Bounds the label's cardinality whatever producers send. 0: only known types.
     pub max_message_types: usize,
+    /// The level of the line logged for each scheduled retry (message id, type, code, safe
+    /// detail, attempt, retry queue). Parked and poisoned messages are always logged at WARN.
+    pub retry_log_level: tracing::Level,
+    /// Failed-message lines (parked and retries together) logged per consumer per minute; past
+    /// it, one summary line a minute gives the counts. 0: summaries only.
+    pub failure_log_per_minute: u32,
 }
 
 impl Default for TelemetryConfig {
@@ -21,6 +28,8 @@ impl Default for TelemetryConfig {
         Self {
             known_message_types: Vec::new(),
             max_message_types: 20,
+            retry_log_level: tracing::Level::INFO,
+            failure_log_per_minute: 30,
         }
     }
 }

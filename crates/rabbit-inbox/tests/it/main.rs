@@ -13,6 +13,7 @@ mod hardening;
 mod hostile_fields;
 mod inbox;
 mod layering;
+mod ledger_ownership;
 mod lease;
 mod malformed;
 mod metric_catalog;

@@ -699,6 +699,7 @@ fn the_catalog_names_every_metric_once() {
         m::DUPLICATES,
         m::SETTLE_FAILURES,
         m::REPEATED_REQUEUES,
+        m::DEPLOYMENT_FAULTS,
         m::STALE_LEASE_RECOVERIES,
         m::RETENTION_DELETED,
         m::REPEATED_SESSION_LOSSES,
