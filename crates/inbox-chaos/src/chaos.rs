@@ -3,7 +3,7 @@
 //! exactly-once and "nothing lost" are checked from the database and the broker.
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     ffi::OsString,
     path::PathBuf,
     process::{ExitCode, Stdio},
@@ -15,6 +15,7 @@ use clap::Args;
 use nix::{sys::signal::Signal, unistd::Pid};
 use rabbit_inbox::{InboxStatus, SchemaName, status::parking_headers, store::InboxStore};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
+use sqlx::{AssertSqlSafe, Row};
 use tokio::process::{Child, Command};
 
 use crate::{
@@ -105,6 +106,9 @@ pub struct ChaosArgs {
             "expiration",
             "invalid-copies",
             "simultaneous-start",
+            "duplicate-bursts",
+            "repeated-invalid",
+            "valid-then-invalid",
         ]
     )]
     hostile: Vec<Hostile>,
@@ -486,6 +490,8 @@ pub async fn run(
         scenario = Scenario::generate_with(orders, seed, &args.hostile);
     }
     let hostile = |kind: Hostile| args.hostile.contains(&kind);
+    // Copies per inbox key, for the verdict: on a cluster the publisher takes the messages.
+    let published_copies = scenario.published_copies(&config.envelope);
     let (node_kills, node_stops) = match cluster {
         Some(_) => (args.cluster.node_kills, args.cluster.node_stops),
         None => (0, 0),
@@ -758,6 +764,9 @@ pub async fn run(
     let parking = ParkingLot::read(&broker, &topology.parking_queue).await?;
     broker.close().await;
     let parking_check = parking.check(&pool, &schema, &scenario).await?;
+    let ledger = read_ledger(&pool, &schema).await?;
+    let deliveries = Deliveries::count(&published_copies, &ledger, &parking.copies_by_key());
+    let pairs = applied_once(&pool, &schema, &ledger, scenario.valid_before_invalid()).await?;
     let chain = shipping_service::verify_chain(&pool, &schema, &shipping_schema).await?;
     let broker = connect::rabbitmq(&servers.amqp_url).await?;
     let shipping_depths = broker
@@ -820,6 +829,18 @@ pub async fn run(
             } else {
                 v.parked == scenario.expected.parked_rows
             },
+        ),
+        (
+            "one parking-lot copy per parked row (another only after a redelivery)",
+            deliveries.extra_copies.is_empty(),
+        ),
+        (
+            "every published copy counted on its row (delivery_count)",
+            deliveries.short.is_empty(),
+        ),
+        (
+            "each valid payment followed by an invalid copy applied once",
+            pairs.problems.is_empty(),
         ),
         (
             "payload conflicts parked as expected, without a row",
@@ -922,6 +943,24 @@ pub async fn run(
             )
         },
     );
+    line(
+        "parked rows with copies beyond their redeliveries",
+        deliveries.extra_copies.len().to_string(),
+    );
+    line(
+        "deliveries counted on the rows",
+        format!(
+            "{} of {} published copies ({} of {} keys short)",
+            deliveries.counted,
+            deliveries.published,
+            deliveries.short.len(),
+            deliveries.keys
+        ),
+    );
+    line(
+        "valid payments before an invalid copy, applied once",
+        format!("{} of {}", pairs.applied_once, pairs.pairs),
+    );
     line("lost", lost.to_string());
     line(
         "OrderPaid emitted / confirmed / shipped",
@@ -951,8 +990,24 @@ pub async fn run(
         .chain(&stop_problems)
         .chain(&parking_check.problems)
         .chain(&parking_check.hostile_missing)
+        .chain(&pairs.problems)
     {
         println!("  - {problem}");
+    }
+    // The first few rows of each kind, with what the ledger and the parking lot show.
+    for (what, rows) in [
+        (
+            "parked with copies beyond its redeliveries",
+            &deliveries.extra_copies,
+        ),
+        ("short of its published copies", &deliveries.short),
+    ] {
+        for row in rows.iter().take(SHOWN_ROWS) {
+            println!("  - {what}: {row}");
+        }
+        if rows.len() > SHOWN_ROWS {
+            println!("  - ... and {} more {what}", rows.len() - SHOWN_ROWS);
+        }
     }
     println!();
     if ok {
@@ -967,6 +1022,168 @@ pub async fn run(
         );
         Ok(ExitCode::FAILURE)
     }
+}
+
+/// Rows named per failed check of the deliveries.
+const SHOWN_ROWS: usize = 5;
+
+/// What the ledger holds for one key.
+#[derive(Clone, Debug, Default)]
+struct LedgerRow {
+    status: String,
+    delivery_count: i32,
+    processing_attempt: i32,
+    parked_duplicates: i32,
+    payload_conflicts: i32,
+}
+
+/// The order service's inbox rows, by key.
+async fn read_ledger(
+    pool: &sqlx::PgPool,
+    schema: &SchemaName,
+) -> anyhow::Result<HashMap<String, LedgerRow>> {
+    let sql = format!(
+        "SELECT message_id, status, delivery_count, processing_attempt, parked_duplicates, \
+           payload_conflicts FROM {} WHERE consumer_name = $1",
+        schema.qualify("message_inbox")
+    );
+    let rows = sqlx::query(AssertSqlSafe(sql))
+        .bind(order_service::CONSUMER_NAME)
+        .fetch_all(pool)
+        .await
+        .context("reading the inbox")?;
+    rows.into_iter()
+        .map(|r| {
+            Ok((
+                r.try_get("message_id")?,
+                LedgerRow {
+                    status: r.try_get("status")?,
+                    delivery_count: r.try_get("delivery_count")?,
+                    processing_attempt: r.try_get("processing_attempt")?,
+                    parked_duplicates: r.try_get("parked_duplicates")?,
+                    payload_conflicts: r.try_get("payload_conflicts")?,
+                },
+            ))
+        })
+        .collect()
+}
+
+/// Every published copy against the ledger's count of deliveries, and the parking lot's copies
+/// against the deliveries that explain them.
+#[derive(Debug, Default)]
+struct Deliveries {
+    /// Keys published.
+    keys: usize,
+    /// Copies published.
+    published: usize,
+    /// Published copies counted on their rows (a row's count above its key's copies, from
+    /// redeliveries, makes up for no other key).
+    counted: usize,
+    /// Keys whose row counts fewer deliveries than copies were published, or has no row.
+    short: Vec<String>,
+    /// Parked rows with more parking-lot copies than the deliveries beyond the published
+    /// copies and the retries explain.
+    extra_copies: Vec<String>,
+}
+
+impl Deliveries {
+    /// `published`: copies per key; `ledger`: the rows by key; `lot`: parking-lot copies per
+    /// key, payload conflicts apart.
+    ///
+    /// Every delivery of a key is counted on its row (`delivery_count`: the first, duplicates,
+    /// retries and conflicting copies alike), so faults can only add to the published copies.
+    /// A parked row has one copy in the parking lot; a second is made only for a delivery
+    /// that finds no copy noted on the row (the consumer died, or the database went away,
+    /// between the copy's confirm and its note), and such a delivery is one more than the
+    /// published copies and the retry tiers' returns (`processing_attempt - 1`).
+    fn count(
+        published: &HashMap<String, usize>,
+        ledger: &HashMap<String, LedgerRow>,
+        lot: &HashMap<String, usize>,
+    ) -> Self {
+        let mut d = Deliveries {
+            keys: published.len(),
+            published: published.values().sum(),
+            ..Default::default()
+        };
+        let mut keys: Vec<(&String, &usize)> = published.iter().collect();
+        keys.sort();
+        let shown = |key: &str, copies: usize, row: &LedgerRow| {
+            format!(
+                "{key}: {copies} published, status {}, delivery_count {}, processing_attempt {}, \
+                 parked_duplicates {}, payload_conflicts {}, {} in the parking lot",
+                row.status,
+                row.delivery_count,
+                row.processing_attempt,
+                row.parked_duplicates,
+                row.payload_conflicts,
+                lot.get(key).copied().unwrap_or(0)
+            )
+        };
+        for (key, &copies) in keys {
+            let Some(row) = ledger.get(key) else {
+                d.short.push(format!("{key}: {copies} published, no row"));
+                continue;
+            };
+            let counted = usize::try_from(row.delivery_count).unwrap_or(0);
+            d.counted += counted.min(copies);
+            if counted < copies {
+                d.short.push(shown(key, copies, row));
+            }
+            let parked = matches!(
+                row.status.as_str(),
+                "PERMANENT_FAILED" | "POISONED" | "MANUAL_REVIEW"
+            );
+            let in_lot = lot.get(key.as_str()).copied().unwrap_or(0);
+            let redelivered = i64::from(row.delivery_count)
+                - copies as i64
+                - i64::from(row.processing_attempt - 1).max(0);
+            if parked && in_lot as i64 > 1 + redelivered.max(0) {
+                d.extra_copies.push(shown(key, copies, row));
+            }
+        }
+        d
+    }
+}
+
+/// The valid payments of the stream followed at once by an invalid copy under their id.
+#[derive(Debug, Default)]
+struct Pairs {
+    pairs: usize,
+    applied_once: usize,
+    problems: Vec<String>,
+}
+
+/// Each of `ids` applied once (one payment row) and PROCESSED: the invalid copy after it took
+/// neither its row nor its effect.
+async fn applied_once(
+    pool: &sqlx::PgPool,
+    schema: &SchemaName,
+    ledger: &HashMap<String, LedgerRow>,
+    ids: impl Iterator<Item = &str>,
+) -> anyhow::Result<Pairs> {
+    let sql = format!(
+        "SELECT count(*) FROM {} WHERE message_id = $1",
+        schema.qualify("payment_history")
+    );
+    let mut pairs = Pairs::default();
+    for id in ids {
+        pairs.pairs += 1;
+        let applied: i64 = sqlx::query_scalar(AssertSqlSafe(sql.clone()))
+            .bind(id)
+            .fetch_one(pool)
+            .await
+            .context("counting payment rows")?;
+        let status = ledger.get(id).map_or("no row", |r| r.status.as_str());
+        if applied == 1 && status == "PROCESSED" {
+            pairs.applied_once += 1;
+        } else {
+            pairs.problems.push(format!(
+                "payment {id} followed by an invalid copy: applied {applied} times, inbox status {status}"
+            ));
+        }
+    }
+    Ok(pairs)
 }
 
 /// One message of the parking lot.
@@ -1009,6 +1226,19 @@ struct ParkingCheck {
 }
 
 impl ParkingLot {
+    /// Copies per inbox key, payload conflicts apart (parked every time, by design).
+    fn copies_by_key(&self) -> HashMap<String, usize> {
+        let mut copies = HashMap::new();
+        for copy in &self.copies {
+            if let (Some(key), Some(code)) = (&copy.key, &copy.code)
+                && code != rabbit_inbox::status::PAYLOAD_CONFLICT
+            {
+                *copies.entry(key.clone()).or_insert(0) += 1;
+            }
+        }
+        copies
+    }
+
     /// Drains the parking lot (the run's queues are recreated by the next run).
     async fn read(broker: &rabbit_inbox::broker::Broker, queue: &str) -> anyhow::Result<Self> {
         let mut copies = Vec::new();
@@ -1185,6 +1415,72 @@ mod tests {
             "amqp://guest:guest@127.0.0.1:5681/chaos,amqp://guest:guest@127.0.0.1:5682/chaos"
         );
         assert_eq!(user, "guest");
+    }
+
+    fn row(status: &str, delivery_count: i32, processing_attempt: i32) -> LedgerRow {
+        LedgerRow {
+            status: status.into(),
+            delivery_count,
+            processing_attempt,
+            ..Default::default()
+        }
+    }
+
+    fn counted(
+        published: &[(&str, usize)],
+        ledger: &[(&str, LedgerRow)],
+        lot: &[(&str, usize)],
+    ) -> Deliveries {
+        let owned = |v: &[(&str, usize)]| v.iter().map(|(k, n)| (k.to_string(), *n)).collect();
+        let ledger = ledger
+            .iter()
+            .map(|(k, r)| (k.to_string(), r.clone()))
+            .collect();
+        Deliveries::count(&owned(published), &ledger, &owned(lot))
+    }
+
+    #[test]
+    fn every_published_copy_must_be_counted_on_its_row() {
+        let d = counted(
+            &[("a", 3), ("b", 2), ("c", 1), ("gone", 1)],
+            &[
+                // Two kills' redeliveries on top: they make up for no other key.
+                ("a", row("PROCESSED", 5, 1)),
+                ("b", row("PERMANENT_FAILED", 1, 1)),
+                ("c", row("PROCESSED", 1, 1)),
+            ],
+            &[("b", 1)],
+        );
+        assert_eq!((d.keys, d.published, d.counted), (4, 7, 5));
+        assert_eq!(d.short.len(), 2);
+        assert!(d.short[0].starts_with("b: 2 published, status PERMANENT_FAILED"));
+        assert!(d.short[0].ends_with("1 in the parking lot"));
+        assert_eq!(d.short[1], "gone: 1 published, no row");
+        assert!(d.extra_copies.is_empty());
+    }
+
+    #[test]
+    fn a_second_parked_copy_needs_a_redelivery() {
+        let d = counted(
+            &[("burst", 2), ("killed", 1), ("poison", 1), ("retried", 1)],
+            &[
+                // Both copies of a burst parked: nothing explains the second.
+                ("burst", row("PERMANENT_FAILED", 2, 1)),
+                // Redelivered after its first copy's confirm, before the note.
+                ("killed", row("PERMANENT_FAILED", 2, 1)),
+                // Four returns from the retry tiers, then poisoned: one copy.
+                ("poison", row("POISONED", 5, 5)),
+                ("retried", row("POISONED", 5, 5)),
+            ],
+            &[("burst", 2), ("killed", 2), ("poison", 1), ("retried", 2)],
+        );
+        assert!(d.short.is_empty());
+        let named: Vec<&str> = d
+            .extra_copies
+            .iter()
+            .map(|r| r.split(':').next().unwrap_or(""))
+            .collect();
+        assert_eq!(named, ["burst", "retried"]);
     }
 
     #[test]

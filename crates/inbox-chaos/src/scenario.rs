@@ -4,10 +4,14 @@
 //! replayed.
 
 use order_service::messages::{order_cancelled, order_placed, payment_received, routing_key};
+use std::collections::{HashMap, HashSet};
+
 use rabbit_inbox::{
-    broker::OutgoingMessage, envelope::AGGREGATE_ID_HEADER, envelope::CAUSATION_HEADER,
-    envelope::TENANT_HEADER, envelope::TRACEPARENT_HEADER, envelope::TYPE_HEADER,
-    envelope::VERSION_HEADER,
+    broker::OutgoingMessage,
+    envelope::{
+        self, AGGREGATE_ID_HEADER, AmqpMessage, CAUSATION_HEADER, EnvelopeRules, TENANT_HEADER,
+        TRACEPARENT_HEADER, TYPE_HEADER, VERSION_HEADER,
+    },
 };
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use serde_json::Value;
@@ -23,6 +27,16 @@ const OVERSIZED_FIELD_BYTES: usize = 5_000;
 
 /// Per-message TTL of the expiring poison messages, in milliseconds.
 pub const EXPIRATION_MS: u64 = 20_000;
+
+/// Orders per burst of back-to-back duplicates ([`Hostile::DuplicateBursts`]), one at a
+/// random point of each such stretch of the stream.
+const BURST_EVERY: usize = 100;
+
+/// Orders per repeated invalid message ([`Hostile::RepeatedInvalid`]).
+const REPEAT_EVERY: usize = 200;
+
+/// Orders per valid payment followed by an invalid copy ([`Hostile::ValidThenInvalid`]).
+const PAIR_EVERY: usize = 200;
 
 /// Hostile inputs the stream (or the run) can carry on top of the ordinary stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
@@ -40,17 +54,30 @@ pub enum Hostile {
     InvalidCopies,
     /// Every consumer process starts at the same instant on a fresh schema (no stream input).
     SimultaneousStart,
+    /// A message the handler refuses permanently, published 2 or 3 times back to back (some
+    /// once more at the end of the stream): one parked copy, the others acked as its
+    /// duplicates and counted on the row.
+    DuplicateBursts,
+    /// A non-JSON body under an id, and an identical message without an id (one synthetic
+    /// key), each published several times: one parked row and copy, every copy counted.
+    RepeatedInvalid,
+    /// A valid payment followed at once by an invalid copy under its id: the payment applied
+    /// once, the copy parked as a payload conflict.
+    ValidThenInvalid,
 }
 
 #[cfg(test)]
 impl Hostile {
     /// Every kind.
-    pub const ALL: [Hostile; 5] = [
+    pub const ALL: [Hostile; 8] = [
         Hostile::DeepHeaders,
         Hostile::OversizedFields,
         Hostile::Expiration,
         Hostile::InvalidCopies,
         Hostile::SimultaneousStart,
+        Hostile::DuplicateBursts,
+        Hostile::RepeatedInvalid,
+        Hostile::ValidThenInvalid,
     ];
 }
 
@@ -160,6 +187,32 @@ impl Scenario {
             format!("{run}-{kind}-{id}")
         };
         let mut late = Vec::new();
+        // Repeated and paired inputs, at seeded points of the ordinary stream: from a generator
+        // of their own, so neither the ordinary part nor the other hostile material shifts.
+        let mut mix_rng = StdRng::seed_from_u64(seed ^ 0x0b57_a11e);
+        let bursts_at = spots(
+            &mut mix_rng,
+            orders,
+            BURST_EVERY,
+            wants(Hostile::DuplicateBursts),
+        );
+        let repeats_at = spots(
+            &mut mix_rng,
+            orders,
+            REPEAT_EVERY,
+            wants(Hostile::RepeatedInvalid),
+        );
+        let pairs_at = spots(
+            &mut mix_rng,
+            orders,
+            PAIR_EVERY,
+            wants(Hostile::ValidThenInvalid),
+        );
+        let (mut bursts, mut repeats, mut pairs) = (0usize, 0usize, 0usize);
+        // A pair waits for the next paid order whose messages come in order.
+        let mut pair_wanted = false;
+        // Copies published a few orders after their first ones: (order index, message).
+        let mut deferred: Vec<(usize, OutgoingMessage)> = Vec::new();
         let mut paid_orders = Vec::new();
         let mut first_placed = None;
         // An early paid order's OrderPlaced and first payment, for invalid copies: early, so
@@ -184,6 +237,9 @@ impl Scenario {
         }
 
         for k in 0..orders {
+            for (_, m) in deferred.extract_if(.., |(due, _)| *due <= k) {
+                s.push(m);
+            }
             let order_id = format!("ord-{run}-{k}");
             let total: i64 = rng.random_range(1_000..100_000);
             let first: i64 = rng.random_range(1..total);
@@ -196,8 +252,10 @@ impl Scenario {
             first_placed.get_or_insert_with(|| placed.clone());
             let pay1 = payment_received(&next_id("pay"), &order_id, first);
             let pay2 = payment_received(&next_id("pay"), &order_id, total - first);
+            let last_payment = pay2.clone();
             s.expected.orders += 1;
             let roll: f64 = rng.random();
+            let paid_in_order = roll >= 0.08;
             let batch = if roll < 0.03 {
                 vec![placed, order_cancelled(&next_id("cancel"), &order_id)]
             } else if roll < 0.08 {
@@ -228,6 +286,63 @@ impl Scenario {
                     }
                 }
                 s.push(m);
+            }
+            pair_wanted |= pairs_at.contains(&k);
+            // Past the first two paid orders, which the other hostile inputs use.
+            if pair_wanted && paid_in_order && paid_orders.len() > 2 {
+                pair_wanted = false;
+                pairs += 1;
+                s.push_invalid_copy(last_payment, pairs % 2 == 1);
+            }
+            if bursts_at.contains(&k) {
+                bursts += 1;
+                let m = if bursts % 2 == 1 {
+                    let mut m = order_cancelled(&hostile_id("burst-shipped"), "nowhere");
+                    m.kind = Some("OrderShipped".into());
+                    m
+                } else {
+                    payment_received(&hostile_id("burst-negative"), "nowhere", -5)
+                };
+                s.push_hostile(Hostile::DuplicateBursts, m.clone(), None);
+                for _ in 1..mix_rng.random_range(2..=3) {
+                    s.duplicates += 1;
+                    s.push(m.clone());
+                }
+                if mix_rng.random_bool(0.5) {
+                    s.duplicates += 1;
+                    deferred.push((k + mix_rng.random_range(5..50), m));
+                }
+            }
+            if repeats_at.contains(&k) {
+                repeats += 1;
+                let m = if repeats % 2 == 1 {
+                    let id = hostile_id("repeat-bad-json");
+                    let mut m = payment_received(&id, "nowhere", 1);
+                    m.body =
+                        format!("{{\"order_id\": \"nowhere\", \"amount\": 1 -- {id}").into_bytes();
+                    s.push_hostile(Hostile::RepeatedInvalid, m.clone(), None);
+                    m
+                } else {
+                    // Identical copies without an id share the synthetic key of their body.
+                    let mut m = payment_received("unused", "nowhere", 1);
+                    m.message_id = None;
+                    m.body = format!(
+                        "{{\"order_id\":\"{}\",\"amount\":1}}",
+                        hostile_id("repeat-no-id")
+                    )
+                    .into_bytes();
+                    s.unique_keys += 1;
+                    s.expected.parked_rows += 1;
+                    s.push(m.clone());
+                    m
+                };
+                // Two back to back, the others a few orders later.
+                s.duplicates += 1;
+                s.push(m.clone());
+                for _ in 2..mix_rng.random_range(3..=4) {
+                    s.duplicates += 1;
+                    deferred.push((k + mix_rng.random_range(5..50), m.clone()));
+                }
             }
             if rng.random_bool(0.02) {
                 // Logical duplicate: another message id for the same order; a no-op.
@@ -267,6 +382,9 @@ impl Scenario {
                 s.expected.parked_rows += 1;
                 s.push(m);
             }
+        }
+        for (_, m) in deferred {
+            s.push(m);
         }
         if wants(Hostile::DeepHeaders) {
             let mut deep = payment_received(&hostile_id("deep-headers"), "nowhere", 1);
@@ -358,6 +476,61 @@ impl Scenario {
         });
     }
 
+    /// An invalid copy of the valid `message`, published right after it under its id: a body
+    /// that is not JSON, or (`not_json` false) another body with an unsupported version.
+    fn push_invalid_copy(&mut self, message: OutgoingMessage, not_json: bool) {
+        let mut copy = message;
+        if not_json {
+            copy.body = b"amount=1&currency=EUR".to_vec();
+        } else {
+            copy.headers.insert(VERSION_HEADER.into(), 9.into());
+            let mut body: serde_json::Map<String, Value> =
+                serde_json::from_slice(&copy.body).unwrap_or_default();
+            body.insert("amount_minor_units".into(), 3.into());
+            copy.body = Value::Object(body).to_string().into_bytes();
+        }
+        self.expected.conflicts += 1;
+        self.hostile.push(HostileMessage {
+            kind: Hostile::ValidThenInvalid,
+            message_id: copy.message_id.clone().unwrap_or_default(),
+            conflict: true,
+        });
+        self.push(copy);
+    }
+
+    /// Copies published under each inbox key, as the consumer under `rules` derives it (the
+    /// synthetic key of a message without a usable id included).
+    pub fn published_copies(&self, rules: &EnvelopeRules) -> HashMap<String, usize> {
+        let mut copies = HashMap::new();
+        for m in &self.messages {
+            let delivered = AmqpMessage {
+                message_id: m.message.message_id.clone(),
+                kind: m.message.kind.clone(),
+                content_type: Some("application/json".into()),
+                correlation_id: m.message.correlation_id.clone(),
+                headers: m.message.headers.clone(),
+                headers_truncated: None,
+                body: m.message.body.clone(),
+                redelivered: false,
+            };
+            let key = match envelope::parse(delivered, rules) {
+                Ok(e) => e.message_id,
+                Err(invalid) => invalid.envelope.message_id,
+            };
+            *copies.entry(key).or_insert(0) += 1;
+        }
+        copies
+    }
+
+    /// The valid messages that an invalid copy follows ([`Hostile::ValidThenInvalid`]): each
+    /// must be applied once.
+    pub fn valid_before_invalid(&self) -> impl Iterator<Item = &str> {
+        self.hostile
+            .iter()
+            .filter(|h| h.kind == Hostile::ValidThenInvalid)
+            .map(|h| h.message_id.as_str())
+    }
+
     /// A hostile message with an inbox key of its own, which must end parked with a row.
     fn push_hostile(
         &mut self,
@@ -374,6 +547,17 @@ impl Scenario {
         });
         self.push_expiring(message, expiration);
     }
+}
+
+/// One order index in each stretch of `every` orders, at a random point of it; none unless `on`.
+fn spots(rng: &mut StdRng, orders: usize, every: usize, on: bool) -> HashSet<usize> {
+    if !on {
+        return HashSet::new();
+    }
+    (0..orders)
+        .step_by(every)
+        .map(|start| start + rng.random_range(0..every.min(orders - start)))
+        .collect()
 }
 
 /// `len` random hex digits: incompressible enough that PostgreSQL's TOAST compression cannot
@@ -439,7 +623,8 @@ mod tests {
         let plain = Scenario::generate(300, 7);
         assert!(plain.hostile.is_empty());
         assert!(plain.messages.iter().all(|m| m.expiration.is_none()));
-        let all = Scenario::generate_with(300, 7, &Hostile::ALL);
+        // The inputs published once each; the repeated ones have a test of their own.
+        let all = Scenario::generate_with(300, 7, &Hostile::ALL[..5]);
         assert_eq!(
             all.messages.len(),
             all.unique_keys + all.duplicates + all.expected.conflicts as usize
@@ -519,6 +704,111 @@ mod tests {
         let s = Scenario::generate_with(300, 7, &without);
         assert!(deepest_header(&s) < 3);
         assert!(s.hostile.iter().all(|h| h.kind != Hostile::DeepHeaders));
-        assert_eq!(s.hostile.len(), 5 + 3 + 2);
+        let once = |h: &&HostileMessage| {
+            !matches!(
+                h.kind,
+                Hostile::DuplicateBursts | Hostile::RepeatedInvalid | Hostile::ValidThenInvalid
+            )
+        };
+        assert_eq!(s.hostile.iter().filter(once).count(), 5 + 3 + 2);
+    }
+
+    /// Where each message of the stream with this AMQP id is, by position.
+    fn positions(s: &Scenario, id: &str) -> Vec<usize> {
+        s.messages
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.message.message_id.as_deref() == Some(id))
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    #[test]
+    fn repeated_inputs_are_mixed_in_and_every_copy_has_its_key() {
+        let plain = Scenario::generate(1_000, 7);
+        let all = Scenario::generate_with(1_000, 7, &Hostile::ALL);
+        assert_eq!(
+            all.messages.len(),
+            all.unique_keys + all.duplicates + all.expected.conflicts as usize
+        );
+        // The keys the consumer derives are the stream's unique keys, and every copy has one.
+        let rules = EnvelopeRules::default();
+        for s in [&plain, &all] {
+            let copies = s.published_copies(&rules);
+            assert_eq!(copies.len(), s.unique_keys);
+            assert_eq!(copies.values().sum::<usize>(), s.messages.len());
+        }
+        let copies = all.published_copies(&rules);
+        let of_kind = |kind: Hostile| {
+            all.hostile
+                .iter()
+                .filter(move |h| h.kind == kind)
+                .map(|h| h.message_id.as_str())
+        };
+        // Bursts: two or three copies back to back, some once more later.
+        let bursts: Vec<&str> = of_kind(Hostile::DuplicateBursts).collect();
+        assert_eq!(bursts.len(), 10, "one per 100 orders");
+        for id in &bursts {
+            let at = positions(&all, id);
+            assert!((2..=4).contains(&at.len()), "{id}: {at:?}");
+            assert_eq!(at[1], at[0] + 1, "{id} back to back");
+            assert_eq!(copies[*id], at.len());
+        }
+        assert!(bursts.iter().any(|id| positions(&all, id).len() == 4));
+        assert!(bursts.iter().any(|id| positions(&all, id).len() == 2));
+        // Repeated invalid messages: under their id, or under one synthetic key without one.
+        for id in of_kind(Hostile::RepeatedInvalid) {
+            let at = positions(&all, id);
+            assert!((3..=4).contains(&at.len()), "{id}: {at:?}");
+            assert_eq!(at[1], at[0] + 1);
+            assert!(at[2] > at[1] + 1, "{id}: a later copy in another batch");
+        }
+        let synthetic: Vec<usize> = copies
+            .iter()
+            .filter(|(k, n)| k.starts_with("invalid:") && **n >= 3)
+            .map(|(_, n)| *n)
+            .collect();
+        assert_eq!(
+            synthetic.len() + of_kind(Hostile::RepeatedInvalid).count(),
+            5,
+            "one per 200 orders"
+        );
+        assert!(!synthetic.is_empty());
+        // Each pair: a valid payment, then at once another body under its id.
+        let pairs: Vec<&str> = of_kind(Hostile::ValidThenInvalid).collect();
+        assert!(pairs.len() >= 4, "{pairs:?}");
+        for id in &pairs {
+            let at = positions(&all, id);
+            let valid = &all.messages[at[0]].message;
+            assert_eq!(valid.kind.as_deref(), Some("PaymentReceived"));
+            assert!(serde_json::from_slice::<Value>(&valid.body).is_ok());
+            let next = at
+                .iter()
+                .copied()
+                .find(|&i| all.messages[i].message.body != valid.body)
+                .expect("an invalid copy");
+            assert!(
+                all.messages[at[0]..next]
+                    .iter()
+                    .all(|m| m.message.message_id.as_deref() == Some(id)),
+                "{id}: the invalid copy follows the valid one at once"
+            );
+        }
+        // Mixed into the stream, not appended; a small share of it; the rest unchanged.
+        let last_ordinary = all
+            .messages
+            .iter()
+            .rposition(|m| m.message.kind.as_deref() == Some("OrderPlaced"))
+            .expect("orders");
+        assert!(positions(&all, bursts[0])[0] < last_ordinary / 2);
+        let added = all.messages.len() - plain.messages.len();
+        assert!(added * 100 < plain.messages.len() * 3, "{added} added");
+        let key = |m: &Published| (m.message.message_id.clone(), m.message.body.clone());
+        let mut stream = all.messages.iter().map(key);
+        for m in &plain.messages {
+            let wanted = key(m);
+            assert!(stream.any(|k| k == wanted), "{:?} kept", wanted.0);
+        }
+        assert_eq!(all.expected.payments, plain.expected.payments);
     }
 }
