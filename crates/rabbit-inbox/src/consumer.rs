@@ -385,8 +385,10 @@ fn parse(message: AmqpMessage, pending: &PendingDelivery, config: &ConsumerConfi
         None => parsed,
         Some(detail) => refuse_uncopyable(parsed, detail),
     };
+    // DEBUG: the WARN comes with its outcome ("message parked", within the consumer's log
+    // budget), so a producer sending garbage cannot flood the log.
     if let Err(invalid) = &parsed {
-        tracing::warn!(
+        tracing::debug!(
             code = invalid.reason.code(),
             detail = %invalid.detail,
             inbox_key = %invalid.envelope.message_id,
@@ -455,6 +457,12 @@ impl KeysInFlight {
         lane
     }
 
+    /// Deliveries of `key` dispatched and not settled yet.
+    fn count(&self, key: &str) -> u32 {
+        let keys = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        keys.get(key).map_or(0, |(_, n)| *n)
+    }
+
     /// The deliveries of these keys are settled (or given back to the broker).
     fn settled<'a>(&self, keys: impl Iterator<Item = &'a str>) {
         let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
@@ -463,6 +471,48 @@ impl KeysInFlight {
                 *n -= 1;
                 if *n == 0 {
                     map.remove(key);
+                }
+            }
+        }
+    }
+}
+
+/// Keys of a lane whose delivery went back to the queue unrecorded (an outage), with how many
+/// later copies of the key this session had received by then. Those copies go back too, so
+/// that the broker hands them out again after the first: otherwise a later copy (an invalid
+/// one, say) would be recorded while the first waits in the queue, and take its row.
+#[derive(Default)]
+struct RequeuedKeys(HashMap<String, usize>);
+
+impl RequeuedKeys {
+    /// Splits off the deliveries that follow a requeued copy of their key.
+    fn take_following(&mut self, batch: Vec<Work>) -> (Vec<Work>, Vec<Work>) {
+        if self.0.is_empty() {
+            return (batch, Vec::new());
+        }
+        batch.into_iter().partition(|(_, parsed, _)| {
+            let key = &envelope_of(parsed).message_id;
+            match self.0.get_mut(key) {
+                Some(n) => {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.0.remove(key);
+                    }
+                    false
+                }
+                None => true,
+            }
+        })
+    }
+
+    /// Notes the keys `outcomes` requeue and how many of their copies are in flight behind.
+    fn note(&mut self, parsed: &[Parsed], outcomes: &[Outcome], keys: &KeysInFlight) {
+        for (item, outcome) in parsed.iter().zip(outcomes) {
+            if matches!(outcome, Outcome::Unrecorded { .. }) {
+                let key = &envelope_of(item).message_id;
+                let behind = keys.count(key).saturating_sub(1) as usize;
+                if behind > 0 {
+                    *self.0.entry(key.clone()).or_default() += behind;
                 }
             }
         }
@@ -498,6 +548,7 @@ async fn lane(mut rx: mpsc::Receiver<Work>, ctx: LaneContext) {
     let mut db = ctx.processor.lane_connection();
     // Later copies of a key held back from the last batch: they go first in the next one.
     let mut held: Vec<Work> = Vec::new();
+    let mut requeued = RequeuedKeys::default();
     loop {
         let mut batch = if held.is_empty() {
             let Some(first) = rx.recv().await else { break };
@@ -524,15 +575,26 @@ async fn lane(mut rx: mpsc::Receiver<Work>, ctx: LaneContext) {
         }
         let (batch, later) = first_copies(batch);
         held = later;
-        let mut pendings = Vec::with_capacity(batch.len());
-        let mut parsed = Vec::with_capacity(batch.len());
-        let mut spans = Vec::with_capacity(batch.len());
+        let (batch, following) = requeued.take_following(batch);
+        let mut pendings = Vec::with_capacity(batch.len() + following.len());
+        let mut parsed = Vec::with_capacity(batch.len() + following.len());
+        let mut spans = Vec::with_capacity(batch.len() + following.len());
         for (pending, item, span) in batch {
             pendings.push(pending);
             parsed.push(item);
             spans.push(span);
         }
-        let outcomes = ctx.processor.process_batch(&parsed, &mut db).await;
+        let mut outcomes = ctx.processor.process_batch(&parsed, &mut db).await;
+        requeued.note(&parsed, &outcomes, &ctx.keys);
+        for (pending, item, span) in following {
+            pendings.push(pending);
+            parsed.push(item);
+            spans.push(span);
+            outcomes.push(Outcome::Unrecorded {
+                error: "an earlier delivery of this message was requeued; this copy follows it"
+                    .into(),
+            });
+        }
 
         // Injected crash between commit and ack: the connection goes, nothing is settled.
         #[cfg(feature = "fault-injection")]

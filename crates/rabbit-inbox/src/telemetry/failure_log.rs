@@ -197,7 +197,10 @@ mod tests {
         assert!(!log.admit(true));
         {
             let mut window = log.window.lock().expect("unpoisoned");
-            window.started = window.started.checked_sub(WINDOW).expect("a minute after boot");
+            window.started = window
+                .started
+                .checked_sub(WINDOW)
+                .expect("a minute after boot");
         }
         log.flush();
         assert_eq!(log.window.lock().expect("unpoisoned").left_out, 0);

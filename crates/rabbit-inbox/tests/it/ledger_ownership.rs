@@ -314,29 +314,77 @@ async fn repeats_of_an_invalid_message_are_counted_on_its_row() {
     consumer.stop().await;
 }
 
+/// Writes each message to `ledger_entries`, a table a test creates late (a missing migration).
+#[derive(Clone)]
+struct Ledger(String);
+
+impl Handler for Ledger {
+    async fn handle(
+        &self,
+        msg: &InboxMessage<'_>,
+        tx: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO \"{}\".ledger_entries (message_id) VALUES ($1)",
+            self.0
+        )))
+        .bind(msg.message_id())
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
+}
+
+async fn create_ledger_entries(env: &TestEnv) {
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE \"{}\".ledger_entries (message_id TEXT PRIMARY KEY)",
+        env.schema
+    )))
+    .execute(&env.pool)
+    .await
+    .expect("the migration runs");
+}
+
+/// A valid message whose delivery goes back to the queue unrecorded (here: a deployment
+/// fault) keeps its place ahead of the invalid copy delivered behind it: the copy goes back
+/// too, instead of being recorded first and taking the row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_copy_does_not_overtake_a_requeued_valid_message() {
+    let env = TestEnv::new().await;
+    let mut config = env.config("svc", env.topology("requeued-first"));
+    config.lanes = 1;
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    env.publish(&topology, &thing("x", 1)).await;
+    env.publish(&topology, &not_json(Some("x"), "{not json"))
+        .await;
+    let consumer = env.start(config, Ledger(env.schema.as_str().to_owned()));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rows = env
+        .scalar(&format!(
+            "SELECT count(*) FROM \"{}\".message_inbox",
+            env.schema
+        ))
+        .await;
+    assert_eq!(
+        rows, 0,
+        "the invalid copy waits behind the requeued valid message"
+    );
+    create_ledger_entries(&env).await;
+    let row = env
+        .wait_for_record("svc", "x", "processed, the copy a conflict", |r| {
+            r.status == InboxStatus::Processed && r.payload_conflicts == 1
+        })
+        .await;
+    assert_eq!(row.processing_attempt, 1);
+    consumer.stop().await;
+}
+
 /// A handler whose SQL names a table that does not exist (a missing migration): nothing is
 /// parked or charged, the deliveries go back to the queue, and once the table exists every
 /// message is processed once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_table_parks_nothing_and_the_stream_resumes_once_it_exists() {
-    #[derive(Clone)]
-    struct Ledger(String);
-    impl Handler for Ledger {
-        async fn handle(
-            &self,
-            msg: &InboxMessage<'_>,
-            tx: &mut PgConnection,
-        ) -> Result<(), HandlerError> {
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO \"{}\".ledger_entries (message_id) VALUES ($1)",
-                self.0
-            )))
-            .bind(msg.message_id())
-            .execute(&mut *tx)
-            .await?;
-            Ok(())
-        }
-    }
     let env = TestEnv::new().await;
     let config = env.config("svc", env.topology("deployment"));
     let topology = config.topology.clone();
@@ -358,13 +406,7 @@ async fn a_missing_table_parks_nothing_and_the_stream_resumes_once_it_exists() {
     assert_eq!(depths.parking, 0, "nothing parked");
     assert_eq!(depths.retry, 0, "nothing sent to a retry tier");
 
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE TABLE \"{}\".ledger_entries (message_id TEXT PRIMARY KEY)",
-        env.schema
-    )))
-    .execute(&env.pool)
-    .await
-    .expect("the migration runs");
+    create_ledger_entries(&env).await;
     for n in 0..10 {
         let row = env
             .wait_for_record("svc", &format!("m-{n}"), "processed", |r| {
