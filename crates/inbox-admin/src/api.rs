@@ -538,6 +538,7 @@ impl RedriveBody {
             force: self.force,
             drop_processed: self.drop_processed,
             discard,
+            job: None,
         })
     }
 }

@@ -313,6 +313,7 @@ pub(crate) async fn audit(
         action: given(&p.action).map(str::to_owned),
         consumer: given(&p.consumer).map(str::to_owned),
         since: given(&p.since).map(|s| instant("since", s)).transpose()?,
+        job: None,
         limit: p.limit.unwrap_or(200),
     };
     Ok(Json(state.ops.audit_trail(&filter).await?))

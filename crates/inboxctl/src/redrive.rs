@@ -94,6 +94,7 @@ pub(crate) async fn run(servers: &Servers, args: RedriveArgs) -> anyhow::Result<
         drop_processed: args.drop_processed,
         discard: args.discard,
         message_ids: args.message_ids.clone(),
+        job: None,
     };
     let result = {
         let bar = args
