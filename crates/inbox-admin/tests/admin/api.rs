@@ -315,6 +315,7 @@ async fn the_openapi_document_describes_every_route() {
         "GET /api/v1/messages/{consumer}/{message_id}",
         "GET /api/v1/failures",
         "GET /api/v1/doctor",
+        "POST /api/v1/doctor",
         "POST /api/v1/recover",
         "POST /api/v1/redrive",
         "POST /api/v1/messages/{consumer}/{message_id}/reopen",
