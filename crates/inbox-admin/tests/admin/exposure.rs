@@ -624,7 +624,7 @@ async fn repeated_failed_authentications_from_one_address_are_slowed() {
             StatusCode::UNAUTHORIZED
         );
     }
-    // The next failed attempt is refused without being looked at; a valid token still passes.
+    // The next failed attempt is refused; a valid token from the same address still passes.
     let request = app
         .request("GET", status, Some(&format!("{:032x}", 99)))
         .body(Body::empty())
