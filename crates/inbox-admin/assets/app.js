@@ -700,8 +700,9 @@ async function bulkRun() {
   progress.hidden = true;
   if (job.state === "failed") throw new Error(job.error);
   showBulkReport(job.report);
-  const audit = await api(`/api/v1/audit?actor=${encodeURIComponent(job.actor)}` +
-    `&since=${encodeURIComponent(job.started_at)}`);
+  // This job's rows only: each carries the job's id (the actor and start time narrow the read).
+  const audit = await api(`/api/v1/audit?job=${encodeURIComponent(job.id)}` +
+    `&actor=${encodeURIComponent(job.actor)}&since=${encodeURIComponent(job.started_at)}`);
   const title = el("h3", `Audit trail of this run: ${audit.length} entr${audit.length === 1 ? "y" : "ies"}`);
   const table = el("table");
   table.id = "bulk-audit";

@@ -24,7 +24,7 @@ use utoipa::{IntoParams, ToSchema};
 use crate::{
     AdminState, BROKER_TIMEOUT, Server,
     auth::{Caller, Scope},
-    error::{ApiError, Body, Params, Segments},
+    error::{ApiError, Body, Params, Segments, storable},
 };
 
 /// Longest duration accepted in a request: a century. Longer ones overflow date arithmetic,
@@ -356,6 +356,7 @@ pub(crate) async fn recover(
     Body(body): Body<RecoverBody>,
 ) -> Result<Json<RecoveryReport>, ApiError> {
     let actor = actor(&caller, &body.reason, body.ticket.as_deref())?;
+    storable("consumer", &body.consumer)?;
     let Some((topology, retry)) = &state.queues else {
         return Err(ApiError::new(
             axum::http::StatusCode::CONFLICT,
@@ -431,6 +432,7 @@ pub(crate) async fn cleanup_dry_run(
     Body(body): Body<CleanupBody>,
 ) -> Result<Json<CleanupReport>, ApiError> {
     actor(&caller, &body.reason, None)?;
+    storable("consumer", &body.consumer)?;
     let mut retention = RetentionPolicy::default();
     if let Some(p) = body.processed_retention.as_deref() {
         retention.processed = duration("processed_retention", p)?;
@@ -515,6 +517,16 @@ impl RedriveBody {
                 "at most {MAX_MESSAGE_IDS} message ids per request"
             )));
         }
+        for (name, value) in [
+            ("consumer", &self.consumer),
+            ("type", &self.message_type),
+            ("error_code", &self.error_code),
+        ] {
+            storable(name, value.as_deref().unwrap_or_default())?;
+        }
+        for id in &self.message_ids {
+            storable("message_ids", id)?;
+        }
         Ok(RedriveRequest {
             dry_run: self.dry_run,
             consumer: given(&self.consumer).map(str::to_owned),
@@ -538,6 +550,7 @@ impl RedriveBody {
             force: self.force,
             drop_processed: self.drop_processed,
             discard,
+            job: None,
         })
     }
 }
@@ -640,9 +653,10 @@ pub(crate) async fn reopen(
     ))
 }
 
-/// Query of `GET /api/v1/doctor`.
-#[derive(Debug, Deserialize, IntoParams)]
+/// Query of `GET /api/v1/doctor`, and body of `POST /api/v1/doctor`.
+#[derive(Debug, Default, Deserialize, IntoParams, ToSchema)]
 #[into_params(parameter_in = Query)]
+#[serde(default)]
 pub(crate) struct DoctorParams {
     /// Check this consumer's rows; every consumer's when absent.
     consumer: Option<String>,
@@ -654,23 +668,15 @@ pub(crate) struct DoctorParams {
     /// Which bodies the consumer keeps: `failed-only` (default), `always` or `never`.
     payload_storage: Option<String>,
     /// The consumer encrypts stored payloads.
-    #[serde(default)]
     encrypted: bool,
 }
 
-/// The installation checked against the inbox review checklist: schema, the broker topology
-/// (through the management API; the server's `--queue`), retention, recovery, parking-lot
-/// reconciliation and payload privacy. One row per check with `pass`, `warn` or `fail`;
-/// changes nothing.
-#[utoipa::path(get, path = "/api/v1/doctor", tag = "inspection", params(DoctorParams),
-    security(("bearer" = [])),
-    responses((status = 200, description = "DoctorReport", body = serde_json::Value),
-        (status = 400, description = "bad parameter"),
-        (status = 401, description = "no or unknown token")))]
-pub(crate) async fn doctor(
-    State(state): State<Arc<Server>>,
-    Params(p): Params<DoctorParams>,
-) -> Result<Json<DoctorReport>, ApiError> {
+/// The doctor's request for `p`; with `broker`, the broker and parking-lot checks too.
+fn doctor_request(
+    state: &AdminState,
+    p: &DoctorParams,
+    broker: bool,
+) -> Result<DoctorRequest, ApiError> {
     let mut retention = RetentionPolicy::default();
     if let Some(d) = given(&p.processed_retention) {
         retention.processed = duration("processed_retention", d)?;
@@ -688,20 +694,78 @@ pub(crate) async fn doctor(
             )));
         }
     };
+    if let Some(consumer) = &p.consumer {
+        storable("consumer", consumer)?;
+    }
     let (topology, retry) = match &state.queues {
         Some((t, r)) => (Some(t.clone()), r.clone()),
         None => (None, rabbit_inbox::RetryPolicy::default()),
     };
-    let request = DoctorRequest {
+    Ok(DoctorRequest {
         consumer: given(&p.consumer).map(str::to_owned),
-        amqp_url: Some(state.amqp_url.clone()),
+        amqp_url: broker.then(|| state.amqp_url.clone()),
         management_url: state.management_url.clone(),
-        topology,
+        topology: if broker { topology } else { None },
         retry,
         retention: Some(retention),
         payload_storage,
         payload_encrypted: p.encrypted,
         ..DoctorRequest::default()
-    };
+    })
+}
+
+/// What a GET without a token says of the checks it left out, and how to run them.
+fn ledger_only(mut report: DoctorReport) -> DoctorReport {
+    const HINT: &str = "POST /api/v1/doctor (a JSON body, such as {}) runs the broker and \
+                        parking-lot checks too, or GET it with a token: a page of another site \
+                        can make a browser send a plain GET, and that never starts broker work";
+    for check in &mut report.checks {
+        let what = match check.id {
+            inbox_ops::check_ids::TOPOLOGY => "broker topology",
+            inbox_ops::check_ids::PARKING_LOT_READ => "parking lot",
+            _ => continue,
+        };
+        check.summary = format!("{what} not checked: a GET without a token checks the ledger only");
+        check.hint = Some(HINT.into());
+    }
+    report
+}
+
+/// The installation checked against the inbox review checklist: schema, the broker topology
+/// (through the management API; the server's `--queue`), retention, recovery, parking-lot
+/// reconciliation and payload privacy. One row per check with `pass`, `warn` or `fail`;
+/// changes nothing. A GET without a token (a server without tokens) runs the ledger's checks
+/// only, never the broker's: a page of another site can make a browser send a plain GET.
+/// `POST /api/v1/doctor` (or a GET with a token) runs them all.
+#[utoipa::path(get, path = "/api/v1/doctor", tag = "inspection", params(DoctorParams),
+    security(("bearer" = [])),
+    responses((status = 200, description = "DoctorReport", body = serde_json::Value),
+        (status = 400, description = "bad parameter"),
+        (status = 401, description = "no or unknown token")))]
+pub(crate) async fn doctor(
+    State(state): State<Arc<Server>>,
+    caller: Option<Extension<Caller>>,
+    Params(p): Params<DoctorParams>,
+) -> Result<Json<DoctorReport>, ApiError> {
+    let broker = caller.is_some();
+    let request = doctor_request(&state, &p, broker)?;
+    let report = state.ops.doctor(&request).await;
+    Ok(Json(if broker { report } else { ledger_only(report) }))
+}
+
+/// Every check of the doctor, the broker's and the parking lot's included (the parking lot is
+/// read and put back, nothing consumed): the same report as `GET /api/v1/doctor` with a token.
+/// The body has the GET's parameters, each optional (`{}`); being JSON, a page of another site
+/// cannot make a browser send it without the browser asking the server first.
+#[utoipa::path(post, path = "/api/v1/doctor", tag = "inspection", request_body = DoctorParams,
+    security(("bearer" = [])),
+    responses((status = 200, description = "DoctorReport", body = serde_json::Value),
+        (status = 400, description = "bad parameter"),
+        (status = 401, description = "no or unknown token")))]
+pub(crate) async fn doctor_pass(
+    State(state): State<Arc<Server>>,
+    Body(p): Body<DoctorParams>,
+) -> Result<Json<DoctorReport>, ApiError> {
+    let request = doctor_request(&state, &p, true)?;
     Ok(Json(state.ops.doctor(&request).await))
 }

@@ -295,6 +295,9 @@ pub(crate) struct AuditParams {
     consumer: Option<String>,
     /// Only entries at or after (RFC 3339, or a duration ago such as `2h`).
     since: Option<String>,
+    /// Only the entries a bulk job wrote (its id, `POST /api/v1/jobs`): each carries it as
+    /// `job` in its details.
+    job: Option<String>,
     /// Most entries, newest first, 1 to 1000 (default 200).
     limit: Option<u32>,
 }
@@ -313,6 +316,7 @@ pub(crate) async fn audit(
         action: given(&p.action).map(str::to_owned),
         consumer: given(&p.consumer).map(str::to_owned),
         since: given(&p.since).map(|s| instant("since", s)).transpose()?,
+        job: given(&p.job).map(str::to_owned),
         limit: p.limit.unwrap_or(200),
     };
     Ok(Json(state.ops.audit_trail(&filter).await?))
@@ -445,7 +449,9 @@ impl Jobs {
 }
 
 /// Starts a redrive or discard in the background and answers at once (202) with the job to
-/// poll; each copy it moves or removes is audited as the action's own endpoint does.
+/// poll; each copy it moves or removes is audited as the action's own endpoint does, each
+/// audit row carrying the job's id as `job` in its details (`GET /api/v1/audit?job=<id>`
+/// lists exactly them).
 #[utoipa::path(post, path = "/api/v1/jobs", tag = "actions", request_body = JobBody,
     security(("bearer" = [])),
     responses((status = 202, description = "the job, running", body = JobView),
@@ -463,10 +469,12 @@ pub(crate) async fn start_job(
         ));
     }
     let actor = actor(&caller, &job.body.reason, job.body.ticket.as_deref())?;
-    let request = job.body.request(job.action == JobAction::Discard)?;
+    let mut request = job.body.request(job.action == JobAction::Discard)?;
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    request.job = Some(id.clone());
     let lot = required_parking_lot(&state).await?;
     let running = Arc::new(Job {
-        id: uuid::Uuid::new_v4().simple().to_string(),
+        id,
         action: job.action,
         actor: caller.name.clone(),
         started_at: Utc::now(),
@@ -486,7 +494,10 @@ pub(crate) async fn start_job(
             .redrive(&lot, &request, Some(&actor), progress.as_ref())
             .await;
         lot.close().await;
-        report
+        match report {
+            Ok(report) => Ok(report),
+            Err(e) => Err(server.ops.explain(e).await),
+        }
     });
     spawn_for_request(async move {
         let outcome = match run.await {

@@ -3,16 +3,25 @@
 //! Every request gets an id (the `X-Request-Id` response header). A failure of the database or
 //! the broker is logged with that id and answered with a generic message carrying it: their
 //! error texts (table names, hosts, SQL) are for the operator's log, not for the caller.
-//! Malformed bodies, queries and paths are 400s with the same JSON shape as every other error.
+//! Malformed bodies, queries and paths are 400s with the same JSON shape as every other error,
+//! and so is text PostgreSQL cannot store (a NUL character) in a query parameter or a path
+//! segment, named in the answer. A database failure because the server's schema holds no inbox
+//! is answered as such ([`no_inbox`]), naming the schema and how to create the inbox.
+
+use std::sync::Arc;
 
 use axum::{
     Json,
-    extract::{FromRequest, FromRequestParts, Request, rejection::JsonRejection},
+    extract::{
+        FromRequest, FromRequestParts, Query, RawPathParams, Request, State,
+        rejection::JsonRejection,
+    },
     http::{HeaderName, HeaderValue, StatusCode, header, request::Parts},
     middleware::Next,
     response::{IntoResponse, Response},
 };
 use inbox_ops::OpsError;
+use rabbit_inbox::error::StoreError;
 use serde::de::DeserializeOwned;
 
 /// The response header carrying the request's id.
@@ -56,7 +65,13 @@ pub struct ApiError {
     status: StatusCode,
     message: String,
     retry_after_secs: Option<u64>,
+    /// PostgreSQL refused a statement: [`no_inbox`] looks whether the schema is there.
+    database: bool,
 }
+
+/// Marks a response to a request that PostgreSQL refused a statement of.
+#[derive(Clone, Copy, Debug)]
+struct DatabaseRefused;
 
 impl ApiError {
     /// A response with `status` and `message`.
@@ -65,6 +80,7 @@ impl ApiError {
             status,
             message: message.into(),
             retry_after_secs: None,
+            database: false,
         }
     }
 
@@ -107,6 +123,17 @@ impl ApiError {
         )
     }
 
+    /// 503: the server's schema holds no inbox.
+    pub fn no_inbox(schema: &str) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "no inbox in schema {schema} (run `inboxctl migrate --schema {schema}`, or check \
+                 the server's --schema / INBOX_SCHEMA)"
+            ),
+        )
+    }
+
     /// 502: the broker could not be reached; `error` goes to the log only.
     pub fn broker(error: &dyn std::fmt::Display) -> Self {
         Self::internal(StatusCode::BAD_GATEWAY, "reaching RabbitMQ", error)
@@ -129,9 +156,11 @@ impl From<OpsError> for ApiError {
             OpsError::Invalid(_) => Self::bad_request(e.to_string()),
             OpsError::NotFound(_) => Self::not_found(e.to_string()),
             OpsError::Refused(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
-            OpsError::Store(_) => {
-                Self::internal(StatusCode::SERVICE_UNAVAILABLE, "the inbox database", &e)
-            }
+            OpsError::Store(store) => Self {
+                database: matches!(store, StoreError::Database(sqlx::Error::Database(_))),
+                ..Self::internal(StatusCode::SERVICE_UNAVAILABLE, "the inbox database", &e)
+            },
+            OpsError::NoInbox { schema } => Self::no_inbox(schema),
             OpsError::Broker(_) => Self::broker(&e),
             // A kind this server does not know yet: logged under the request id, not shown.
             _ => Self::internal(StatusCode::INTERNAL_SERVER_ERROR, "an operation", &e),
@@ -156,8 +185,40 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        if self.database {
+            response.extensions_mut().insert(DatabaseRefused);
+        }
         response
     }
+}
+
+/// Middleware: a request PostgreSQL refused a statement of is answered "no inbox in schema
+/// ..." when the server's schema holds no inbox (checked only then: the answers that succeed
+/// cost nothing more), instead of the generic database failure.
+pub(crate) async fn no_inbox(
+    State(server): State<Arc<crate::Server>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let response = next.run(request).await;
+    if response.extensions().get::<DatabaseRefused>().is_none() {
+        return response;
+    }
+    match server.ops.inbox_exists().await {
+        Ok(false) => ApiError::no_inbox(server.ops.schema().as_str()).into_response(),
+        _ => response,
+    }
+}
+
+/// 400 if `value` of the parameter `name` holds a NUL character, which PostgreSQL's text
+/// cannot store.
+pub(crate) fn storable(name: &str, value: &str) -> Result<(), ApiError> {
+    if value.contains('\0') {
+        return Err(ApiError::bad_request(format!(
+            "{name} contains a NUL character, which the inbox cannot store"
+        )));
+    }
+    Ok(())
 }
 
 /// A JSON request body; a malformed one is a 400 (413 when too large) in the API's error shape.
@@ -183,7 +244,13 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Params<T> {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
-        axum::extract::Query::<T>::from_request_parts(parts, state)
+        // Every parameter by its name first: a value PostgreSQL cannot store is named.
+        if let Ok(Query(pairs)) = Query::<Vec<(String, String)>>::try_from_uri(&parts.uri) {
+            for (name, value) in &pairs {
+                storable(name, value)?;
+            }
+        }
+        Query::<T>::from_request_parts(parts, state)
             .await
             .map(|q| Self(q.0))
             .map_err(|r| rejected(r.status(), &r.body_text(), || false))
@@ -197,6 +264,11 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Segment
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        if let Ok(params) = RawPathParams::from_request_parts(parts, state).await {
+            for (name, value) in &params {
+                storable(name, value)?;
+            }
+        }
         axum::extract::Path::<T>::from_request_parts(parts, state)
             .await
             .map(|p| Self(p.0))

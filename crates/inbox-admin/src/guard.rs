@@ -3,9 +3,11 @@
 //!
 //! A failed authentication (a token that matches none) is logged with the caller's address,
 //! never with the secret presented, and counted per address: after [`MAX_FAILURES`] within
-//! [`FAILURE_WINDOW`] that address gets 429 for the rest of the window, whatever it presents.
-//! The counter holds at most [`MAX_TRACKED_ADDRESSES`] addresses (IPv6 by /64, the block one
-//! host usually owns), dropping the oldest when full.
+//! [`FAILURE_WINDOW`], that address's requests without a valid token get 429 for the rest of
+//! the window. A valid token always passes: the callers behind one address (a NAT, a proxy)
+//! are not locked out by one of them guessing. The counter holds at most
+//! [`MAX_TRACKED_ADDRESSES`] addresses (IPv6 by /64, the block one host usually owns),
+//! dropping the oldest when full.
 
 use std::{
     collections::HashMap,
@@ -27,9 +29,11 @@ use crate::{
     error::ApiError,
 };
 
-/// Failed authentications from one address before it is refused for the window.
+/// Failed authentications from one address before its further failed attempts are refused
+/// for the window.
 pub const MAX_FAILURES: u32 = 5;
-/// How long failures are counted (from the first), and an address refused after too many.
+/// How long failures are counted (from the first), and an address's failed attempts refused
+/// after too many.
 pub const FAILURE_WINDOW: Duration = Duration::from_secs(60);
 /// Addresses whose failures are remembered at most.
 pub const MAX_TRACKED_ADDRESSES: usize = 4096;
@@ -56,7 +60,7 @@ fn key(ip: IpAddr) -> IpAddr {
 }
 
 impl FailureThrottle {
-    /// How long `ip` is still refused, if it is.
+    /// How long `ip`'s requests without a valid token are still refused, if they are.
     pub(crate) fn refused_for(&self, ip: IpAddr) -> Option<Duration> {
         let failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
         let (count, since) = failures.get(&key(ip))?;
@@ -121,7 +125,12 @@ fn admit(state: &Server, request: &Request, needed: Scope) -> Result<Option<Call
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0.ip());
-    if let Some(ip) = peer
+    // A valid token passes whatever others at its address did; only the attempts that fail
+    // are throttled.
+    let presented = bearer(request);
+    let caller = presented.and_then(|p| state.tokens.authenticate(p));
+    if caller.is_none()
+        && let Some(ip) = peer
         && let Some(left) = state.throttle.refused_for(ip)
     {
         return Err(ApiError::too_many(
@@ -129,10 +138,12 @@ fn admit(state: &Server, request: &Request, needed: Scope) -> Result<Option<Call
             left.as_secs().max(1),
         ));
     }
-    let presented = bearer(request).ok_or_else(|| {
-        ApiError::unauthorized("an Authorization: Bearer <token> header is required")
-    })?;
-    let Some(caller) = state.tokens.authenticate(presented) else {
+    if presented.is_none() {
+        return Err(ApiError::unauthorized(
+            "an Authorization: Bearer <token> header is required",
+        ));
+    }
+    let Some(caller) = caller else {
         // The address and the path only: the presented secret may be a real one mistyped.
         tracing::warn!(
             peer = %peer.map_or_else(|| "-".to_owned(), |ip| ip.to_string()),
@@ -206,6 +217,17 @@ mod tests {
                 .is_some()
         );
         assert_eq!(throttle.refused_for("192.0.2.1".parse().expect("ip")), None);
+    }
+
+    #[test]
+    fn refusal_ends_with_the_window() {
+        let throttle = FailureThrottle::default();
+        let ip: IpAddr = "192.0.2.7".parse().expect("ip");
+        for _ in 0..MAX_FAILURES {
+            throttle.failed(ip);
+        }
+        let left = throttle.refused_for(ip).expect("refused");
+        assert!(left <= FAILURE_WINDOW);
     }
 
     #[test]

@@ -165,7 +165,7 @@ fn api_routes(state: &Arc<Server>) -> OpenApiRouter<Arc<Server>> {
         .routes(routes!(api::list))
         .routes(routes!(api::show))
         .routes(routes!(api::failures))
-        .routes(routes!(api::doctor))
+        .routes(routes!(api::doctor, api::doctor_pass))
         .routes(routes!(console::activity))
         .routes(routes!(depths::depths))
         .routes(routes!(console::alerts))
@@ -234,6 +234,10 @@ fn router(server: &Arc<Server>, hosts: host::AllowedHosts, options: &ServeOption
         .route("/assets/uplot.js", get(dashboard::chart_script))
         .route("/assets/uplot.css", get(dashboard::chart_style))
         .fallback(|| async { ApiError::not_found("no such page or endpoint") })
+        .layer(middleware::from_fn_with_state(
+            server.clone(),
+            error::no_inbox,
+        ))
         .with_state(server.clone())
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
             options.header_read_timeout,

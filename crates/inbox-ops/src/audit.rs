@@ -61,6 +61,10 @@ pub struct AuditFilter {
     pub consumer: Option<String>,
     /// Only entries written at or after.
     pub since: Option<DateTime<Utc>>,
+    /// Only the entries of this job: the rows whose details carry it as `job` (a console's
+    /// background redrive or discard stamps its id on each row it writes,
+    /// [`crate::RedriveRequest::job`]).
+    pub job: Option<String>,
     /// Most entries, 1 to 1000.
     pub limit: u32,
 }
@@ -72,6 +76,7 @@ impl Default for AuditFilter {
             action: None,
             consumer: None,
             since: None,
+            job: None,
             limit: 200,
         }
     }
@@ -90,6 +95,7 @@ impl Operations {
              WHERE ($1::text IS NULL OR actor = $1) AND ($2::text IS NULL OR action = $2) \
                AND ($3::text IS NULL OR consumer_name = $3) \
                AND ($4::timestamptz IS NULL OR occurred_at >= $4) \
+               AND ($6::text IS NULL OR details ->> 'job' = $6) \
              ORDER BY audit_id DESC LIMIT $5",
             self.schema.qualify("inbox_audit")
         )))
@@ -99,6 +105,7 @@ impl Operations {
         .bind(filter.consumer.as_deref())
         .bind(filter.since)
         .bind(i64::from(filter.limit))
+        .bind(filter.job.as_deref())
         .fetch_all(&self.pool)
         .await?
         .iter()

@@ -90,9 +90,14 @@ pub struct StatusLine {
     /// Rows that failed within the last hour (`last_failed_at`). For PROCESSED: rows processed
     /// in the last hour after an earlier failure within it.
     pub failed_last_hour: i64,
-    /// Rows with more than one delivery whose last delivery came within the last hour. For
-    /// PROCESSED, among the rows processed in the last hour only (a duplicate of an older
-    /// message is not counted: finding it would be a scan).
+    /// Duplicate deliveries within the last hour: copies of a message delivered again and
+    /// acked without running the handler (a redelivery of a processed message, a copy of a
+    /// parked one), not the deliveries that were attempts (a retry is counted as a delivery on
+    /// the row, but it is no duplicate). Read from the ledger's history (`inbox_event` entries
+    /// of kind `duplicate`, which the ledger's trigger writes for exactly those deliveries),
+    /// not from `delivery_count - processing_attempt`, which a reopen (attempts back to 0)
+    /// would turn into duplicates that never came. Counted on the line of the row's current
+    /// status; for PROCESSED, duplicates of older messages too.
     pub duplicates_last_hour: i64,
     /// Rows that saw a copy with another body (same id, `payload_conflicts`) within the last
     /// hour, counted like `duplicates_last_hour`.
@@ -230,16 +235,30 @@ impl Cursor {
     }
 
     fn decode(text: &str) -> Result<Self, OpsError> {
-        let bad = || OpsError::Invalid(format!("invalid cursor {text:?}"));
+        let bad = || OpsError::Invalid(format!("invalid cursor {:?}", text.replace('\0', "")));
         let json = base64::engine::general_purpose::URL_SAFE_NO_PAD
             .decode(text)
             .map_err(|_| bad())?;
-        serde_json::from_slice(&json).map_err(|_| bad())
+        let cursor: Self = serde_json::from_slice(&json).map_err(|_| bad())?;
+        // Where a page ended is a key of the inbox: PostgreSQL's text holds no NUL.
+        if cursor.m.contains('\0') || cursor.c.contains('\0') {
+            return Err(bad());
+        }
+        Ok(cursor)
     }
 
+    /// The time the page ended at, refused unless PostgreSQL can hold it (4713 BC to 294276
+    /// AD; chrono's own range ends earlier, in 262143).
     fn received_at(&self) -> Result<DateTime<Utc>, OpsError> {
+        /// 4713-11-24 BC, 00:00 UTC (the Julian day 0), in microseconds since 1970.
+        const POSTGRES_MIN_MICROS: i64 = -210_866_803_200_000_000;
         DateTime::from_timestamp_micros(self.t)
-            .ok_or_else(|| OpsError::Invalid("invalid cursor time".into()))
+            .filter(|_| self.t >= POSTGRES_MIN_MICROS)
+            .ok_or_else(|| {
+                OpsError::Invalid(
+                    "invalid cursor: its time is outside what the inbox can hold".into(),
+                )
+            })
     }
 }
 
@@ -514,8 +533,6 @@ impl Operations {
                extract(epoch FROM max({overdue}))::float8 AS overdue, \
                count(*) FILTER (WHERE {stale}) AS stale, \
                count(*) FILTER (WHERE last_failed_at > now() - make_interval(secs => $3)) AS failed, \
-               count(*) FILTER (WHERE delivery_count > 1 \
-                 AND last_received_at > now() - make_interval(secs => $3)) AS dups, \
                count(*) FILTER (WHERE last_conflict_at > now() - make_interval(secs => $3)) AS conflicts \
              FROM {t} WHERE status <> 'PROCESSED' AND ($1::text IS NULL OR consumer_name = $1) \
              GROUP BY consumer_name, status ORDER BY consumer_name, status",
@@ -547,7 +564,7 @@ impl Operations {
                     .filter(|secs| *secs > 0.0),
                 stale: row.try_get("stale")?,
                 failed_last_hour: row.try_get("failed")?,
-                duplicates_last_hour: row.try_get("dups")?,
+                duplicates_last_hour: 0,
                 conflicts_last_hour: row.try_get("conflicts")?,
                 processed_last_hour: None,
             });
@@ -557,8 +574,6 @@ impl Operations {
         let processed = sqlx::query(sql(format!(
             "SELECT consumer_name, count(*) AS n, \
                count(*) FILTER (WHERE last_failed_at > now() - make_interval(secs => $2)) AS failed, \
-               count(*) FILTER (WHERE delivery_count > 1 \
-                 AND last_received_at > now() - make_interval(secs => $2)) AS dups, \
                count(*) FILTER (WHERE last_conflict_at > now() - make_interval(secs => $2)) AS conflicts \
              FROM {t} WHERE status = 'PROCESSED' AND processed_at > now() - make_interval(secs => $2) \
                AND ($1::text IS NULL OR consumer_name = $1) \
@@ -580,7 +595,7 @@ impl Operations {
                     overdue_age_secs: None,
                     stale: 0,
                     failed_last_hour: row.try_get("failed")?,
-                    duplicates_last_hour: row.try_get("dups")?,
+                    duplicates_last_hour: 0,
                     conflicts_last_hour: row.try_get("conflicts")?,
                     processed_last_hour: Some(row.try_get("n")?),
                 })
@@ -614,6 +629,57 @@ impl Operations {
             }
         }
         lines.extend(processed_lines);
+        // Duplicate deliveries, from the history the ledger's trigger writes for each one (a
+        // delivery noted against a row that was not claimed for an attempt): read per consumer
+        // through the history's (consumer, occurred_at) index, counted on the line of the
+        // row's current status.
+        let duplicates = sqlx::query(sql(format!(
+            "WITH RECURSIVE {event_consumers} \
+             SELECT c.consumer_name, i.status, sum(x.deliveries)::int8 AS dups \
+             FROM event_consumers c CROSS JOIN LATERAL ( \
+               SELECT e.message_id, e.deliveries FROM {e} e \
+               WHERE e.consumer_name = c.consumer_name AND e.kind = 'duplicate' \
+                 AND e.occurred_at > now() - make_interval(secs => $2)) AS x \
+             JOIN {t} i ON i.consumer_name = c.consumer_name AND i.message_id = x.message_id \
+             GROUP BY 1, 2",
+            e = self.schema.qualify("inbox_event"),
+            event_consumers = crate::activity::consumers_of(
+                "event_consumers",
+                &self.schema.qualify("inbox_event"),
+                "",
+                "$1"
+            ),
+        )))
+        .persistent(false)
+        .bind(query.consumer.as_deref())
+        .bind(recent)
+        .fetch_all(&self.pool)
+        .await?;
+        for row in &duplicates {
+            let consumer: String = row.try_get("consumer_name")?;
+            let status = status_of(row)?;
+            let dups: i64 = row.try_get("dups")?;
+            match lines
+                .iter_mut()
+                .find(|l| l.consumer == consumer && l.status == status)
+            {
+                Some(line) => line.duplicates_last_hour = dups,
+                // Duplicates of messages processed before the last hour.
+                None => lines.push(StatusLine {
+                    consumer,
+                    status,
+                    rows: None,
+                    oldest_received_at: None,
+                    oldest_age_secs: None,
+                    overdue_age_secs: None,
+                    stale: 0,
+                    failed_last_hour: 0,
+                    duplicates_last_hour: dups,
+                    conflicts_last_hour: 0,
+                    processed_last_hour: (status == InboxStatus::Processed).then_some(0),
+                }),
+            }
+        }
         lines.sort_by(|a, b| {
             (a.consumer.as_str(), a.status.as_str()).cmp(&(b.consumer.as_str(), b.status.as_str()))
         });
@@ -988,6 +1054,20 @@ mod tests {
         let text = c.encode();
         assert_eq!(Cursor::decode(&text).ok(), Some(c));
         assert!(Cursor::decode("not a cursor").is_err());
+        let far = |t: i64| Cursor {
+            t,
+            m: "m".into(),
+            c: "c".into(),
+        };
+        assert!(far(-210_866_803_200_000_000).received_at().is_ok());
+        assert!(far(-210_866_803_200_000_001).received_at().is_err());
+        assert!(far(i64::MAX).received_at().is_err());
+        let nul = Cursor {
+            t: 0,
+            m: "a\0b".into(),
+            c: "c".into(),
+        };
+        assert!(Cursor::decode(&nul.encode()).is_err());
         assert!(
             Cursor::decode(&base64::engine::general_purpose::URL_SAFE_NO_PAD.encode("{}")).is_err()
         );

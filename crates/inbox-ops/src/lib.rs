@@ -77,10 +77,22 @@ pub const MAX_REASON_CHARS: usize = 1000;
 pub const MAX_TICKET_CHARS: usize = 200;
 
 fn bounded(what: &str, text: &str, max: usize) -> Result<(), OpsError> {
+    no_nul(what, text)?;
     let n = text.chars().count();
     if n > max {
         return Err(OpsError::Invalid(format!(
             "the {what} is {n} characters long; at most {max} are accepted"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses `text` if it holds a NUL character: PostgreSQL's text cannot store one, so it is
+/// a wrong request (naming `what`), not a database failure.
+pub fn no_nul(what: &str, text: &str) -> Result<(), OpsError> {
+    if text.contains('\0') {
+        return Err(OpsError::Invalid(format!(
+            "the {what} contains a NUL character, which the inbox cannot store"
         )));
     }
     Ok(())
@@ -174,6 +186,13 @@ pub enum OpsError {
     /// The broker could not be reached or refused an action.
     #[error(transparent)]
     Broker(#[from] BrokerError),
+    /// The schema holds no inbox (its tables were never migrated there, or the schema is
+    /// another one): see [`Operations::require_inbox`].
+    #[error("no inbox in schema {schema} (run `inboxctl migrate --schema {schema}`)")]
+    NoInbox {
+        /// The schema asked for.
+        schema: String,
+    },
 }
 
 impl From<sqlx::Error> for OpsError {
@@ -221,6 +240,44 @@ impl Operations {
     /// The inbox's schema.
     pub fn schema(&self) -> &SchemaName {
         &self.schema
+    }
+
+    /// Whether the schema holds an inbox (its `message_inbox` table exists).
+    pub async fn inbox_exists(&self) -> Result<bool, OpsError> {
+        Ok(sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .bind(self.schema.qualify("message_inbox"))
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
+    /// [`OpsError::NoInbox`] unless the schema holds an inbox: what a front end checks before
+    /// reading, so that a wrong or unmigrated schema is named as such, not reported as the
+    /// database's error about a missing relation.
+    pub async fn require_inbox(&self) -> Result<(), OpsError> {
+        if self.inbox_exists().await? {
+            Ok(())
+        } else {
+            Err(OpsError::NoInbox {
+                schema: self.schema.as_str().to_owned(),
+            })
+        }
+    }
+
+    /// `error`, or [`OpsError::NoInbox`] when it is a database error and the schema holds no
+    /// inbox: how a failure of an operation is told once it happened (no extra statement on
+    /// the way to a success).
+    pub async fn explain(&self, error: OpsError) -> OpsError {
+        match &error {
+            OpsError::Store(StoreError::Database(sqlx::Error::Database(_))) => {
+                match self.inbox_exists().await {
+                    Ok(false) => OpsError::NoInbox {
+                        schema: self.schema.as_str().to_owned(),
+                    },
+                    _ => error,
+                }
+            }
+            _ => error,
+        }
     }
 
     /// Kills to inject into `redrive` (tests); shared by this value's clones.

@@ -43,17 +43,24 @@
 //! Copies left alone stay unacked until the pass ends, so one pass reads each copy once; they
 //! then go back to the parking lot in their places. A pass reads at most as many copies as the
 //! parking lot held when it started: messages parked meanwhile wait for the next pass.
+//!
+//! Copies a pass holds are invisible to any other reader of the queue, so two passes over one
+//! parking lot at once would each see a part of it: a redrive would leave behind what the
+//! other held. Every pass (a redrive, its dry run, a discard, the doctor's reconciliation)
+//! therefore holds a `LotLock`, a PostgreSQL session advisory lock per schema and parking
+//! lot: a redrive waits for the pass before it to end; the doctor waits a while, then reports
+//! the parking lot not reconciled rather than wait behind a long redrive.
 
 use std::{
-    collections::{BTreeMap, HashSet},
-    time::Duration,
+    collections::{BTreeMap, HashMap, HashSet},
+    time::{Duration, Instant},
 };
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, Row};
 
 use super::{
     Actor, Operations, OpsError, Progress,
@@ -62,7 +69,7 @@ use super::{
 };
 use rabbit_inbox::{
     broker::ParkedMessage, broker::ParkingLot, broker::Republished, envelope::EnvelopeRules,
-    envelope::parse, status::InboxStatus,
+    envelope::parse, schema::SchemaName, status::InboxStatus,
 };
 
 /// Audit action of a parked copy moved back for an open row, or without an inbox row.
@@ -87,7 +94,90 @@ pub(crate) struct ParkedKeys {
     /// Message ids of the copies of PROCESSED rows that were parked as payload conflicts (a
     /// producer reused the id with another body): parked by design, not a lost state.
     pub(crate) processed_conflicts: Vec<String>,
+    /// Per inbox key whose row is parked (PERMANENT_FAILED, POISONED, MANUAL_REVIEW), its
+    /// copies read, payload conflicts aside: more than one is a duplicate parked.
+    pub(crate) parked_copies: HashMap<(String, String), u64>,
+    /// Copies read that were parked as payload conflicts, whatever their row's status.
+    pub(crate) conflict_copies: u64,
 }
+
+/// How often a pass waiting for [`LotLock`] tries again.
+const LOT_LOCK_POLL: Duration = Duration::from_millis(100);
+/// After how long a wait for [`LotLock`] is logged, once.
+const LOT_LOCK_NOTICE: Duration = Duration::from_secs(10);
+
+/// The right to walk one parking lot of one schema: a PostgreSQL session advisory lock keyed
+/// by both names, held on a connection of its own for the whole pass. Waiters poll with
+/// `pg_try_advisory_lock`, so a waiter whose future is dropped leaves no lock request behind.
+/// Released by [`LotLock::release`]; dropped without it (an error, a killed pass), the
+/// connection closes and the server releases the lock with the session.
+pub(crate) struct LotLock {
+    conn: PgConnection,
+    key: i64,
+}
+
+impl LotLock {
+    /// The lock of `parking_queue` in `schema`, once no other pass holds it; with `patience`,
+    /// `None` if it is still held after that long.
+    pub(crate) async fn acquire(
+        pool: &sqlx::PgPool,
+        schema: &SchemaName,
+        parking_queue: &str,
+        patience: Option<Duration>,
+    ) -> Result<Option<Self>, OpsError> {
+        let mut conn = pool.acquire().await?.detach();
+        let key = lot_lock_key(schema, parking_queue);
+        let started = Instant::now();
+        let mut noticed = false;
+        loop {
+            let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+                .bind(key)
+                .fetch_one(&mut conn)
+                .await?;
+            if locked {
+                return Ok(Some(Self { conn, key }));
+            }
+            if patience.is_some_and(|p| started.elapsed() >= p) {
+                let _ = conn.close().await;
+                return Ok(None);
+            }
+            if !noticed && started.elapsed() >= LOT_LOCK_NOTICE {
+                noticed = true;
+                tracing::warn!(
+                    schema = %schema,
+                    parking_queue,
+                    "waiting for another redrive or doctor pass over this parking lot to end"
+                );
+            }
+            tokio::time::sleep(LOT_LOCK_POLL).await;
+        }
+    }
+
+    /// Unlocks and closes the connection.
+    pub(crate) async fn release(mut self) {
+        let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(self.key)
+            .execute(&mut self.conn)
+            .await;
+        // Closing ends the session, which releases the lock even if the unlock failed.
+        let _ = self.conn.close().await;
+    }
+}
+
+/// The advisory lock key of `parking_queue` in `schema`: the first 8 bytes of a SHA-256 over a
+/// fixed prefix and both names, the same in every process and every version.
+fn lot_lock_key(schema: &SchemaName, parking_queue: &str) -> i64 {
+    let digest = Sha256::digest(format!(
+        "rabbit-inbox parking lot\0{schema}\0{parking_queue}"
+    ));
+    let mut key = [0u8; 8];
+    key.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(key)
+}
+
+/// How long the doctor waits for a redrive's pass over the parking lot before it reports the
+/// parking lot not reconciled.
+pub(crate) const DOCTOR_LOT_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Most entries in [`RedriveReport::findings`].
 const MAX_FINDINGS: usize = 1000;
@@ -123,6 +213,18 @@ pub struct RedriveRequest {
     pub discard: bool,
     /// Only the copies of these inbox keys (`x-inbox-message-id`); empty: every key.
     pub message_ids: Vec<String>,
+    /// The id of the job this run is (a console's background job): written as `job` into the
+    /// details of every audit row the run writes, so that exactly its rows can be found
+    /// ([`crate::AuditFilter::job`]) however many runs one actor has going.
+    pub job: Option<String>,
+}
+
+/// `details` with the run's job id, if it has one.
+fn stamped(mut details: Value, job: Option<&str>) -> Value {
+    if let (Some(job), Some(d)) = (job, details.as_object_mut()) {
+        d.insert("job".into(), Value::from(job));
+    }
+    details
 }
 
 /// How a parked copy relates to the inbox.
@@ -482,13 +584,15 @@ impl Operations {
         actor: Option<&Actor>,
         progress: &dyn Progress,
     ) -> Result<RedriveReport, OpsError> {
-        self.redrive_seeing(lot, request, actor, progress, None)
+        self.redrive_seeing(lot, request, actor, progress, None, None)
             .await
     }
 
     /// [`Operations::redrive`], also collecting the inbox key (consumer, message id) of every
     /// copy read into `seen`, whatever its class: the other direction of reconciliation
-    /// (parked rows without a copy) needs the keys, not only the counts.
+    /// (parked rows without a copy) needs the keys, not only the counts. With `patience`, the
+    /// pass waits at most that long for another pass over the parking lot to end (refused
+    /// after it); without, as long as it takes.
     pub(crate) async fn redrive_seeing(
         &self,
         lot: &ParkingLot,
@@ -496,6 +600,7 @@ impl Operations {
         actor: Option<&Actor>,
         progress: &dyn Progress,
         seen: Option<&mut ParkedKeys>,
+        patience: Option<Duration>,
     ) -> Result<RedriveReport, OpsError> {
         if !request.dry_run && actor.is_none() {
             return Err(OpsError::Invalid(
@@ -518,6 +623,34 @@ impl Operations {
                 "rate must be a number from {MIN_REDRIVE_RATE} to {MAX_REDRIVE_RATE} per second"
             )));
         }
+        // One pass over a parking lot at a time: copies another pass holds are invisible to
+        // this one, which would count and walk only the rest.
+        let Some(walking) =
+            LotLock::acquire(&self.pool, &self.schema, lot.parking_queue(), patience).await?
+        else {
+            return Err(OpsError::Refused(format!(
+                "another redrive or doctor pass is walking the parking lot {} of schema {}; \
+                 try again once it has ended",
+                lot.parking_queue(),
+                self.schema
+            )));
+        };
+        let result = self
+            .redrive_locked(lot, request, actor, progress, seen)
+            .await;
+        walking.release().await;
+        result
+    }
+
+    /// [`Operations::redrive_seeing`] under the parking lot's [`LotLock`].
+    async fn redrive_locked(
+        &self,
+        lot: &ParkingLot,
+        request: &RedriveRequest,
+        actor: Option<&Actor>,
+        progress: &dyn Progress,
+        seen: Option<&mut ParkedKeys>,
+    ) -> Result<RedriveReport, OpsError> {
         let (_, parking) = lot.depths().await?;
         let Some(depth) = parking.messages else {
             return Err(OpsError::Invalid(format!(
@@ -590,10 +723,18 @@ impl Operations {
             };
             if let (Some(seen), Some(consumer), Some(key)) = (seen.as_mut(), &c.consumer, &c.key) {
                 seen.keys.insert((consumer.clone(), key.clone()));
-                if c.class == ParkedClass::Processed
-                    && parked.error_code() == Some(rabbit_inbox::status::PAYLOAD_CONFLICT)
-                {
+                let conflict = parked.error_code() == Some(rabbit_inbox::status::PAYLOAD_CONFLICT);
+                if conflict {
+                    seen.conflict_copies += 1;
+                }
+                if c.class == ParkedClass::Processed && conflict {
                     seen.processed_conflicts.push(key.clone());
+                }
+                if c.class == ParkedClass::Reopen && !conflict {
+                    *seen
+                        .parked_copies
+                        .entry((consumer.clone(), key.clone()))
+                        .or_default() += 1;
                 }
             }
             if !self.selected(request, &parked, &c) {
@@ -642,7 +783,10 @@ impl Operations {
                         action,
                         c.consumer.as_deref(),
                         c.key.as_deref(),
-                        json!({ "parking_queue": lot.parking_queue() }),
+                        stamped(
+                            json!({ "parking_queue": lot.parking_queue() }),
+                            request.job.as_deref(),
+                        ),
                     )
                     .await?;
                     tx.commit().await?;
@@ -653,7 +797,10 @@ impl Operations {
                     if let Some(pace) = pace.as_mut() {
                         pace.tick().await;
                     }
-                    match self.move_copy(lot, &parked, &c, actor).await {
+                    match self
+                        .move_copy(lot, &parked, &c, actor, request.job.as_deref())
+                        .await
+                    {
                         Ok(Some(republished)) => {
                             #[cfg(feature = "fault-injection")]
                             self.redrive_faults
@@ -684,7 +831,10 @@ impl Operations {
                     if let Some(pace) = pace.as_mut() {
                         pace.tick().await;
                     }
-                    match self.audit_discard(lot, &parked, &c, actor).await {
+                    match self
+                        .audit_discard(lot, &parked, &c, actor, request.job.as_deref())
+                        .await
+                    {
                         // Audited and committed: only now is the copy acked away. Killed in
                         // between, the copy comes back and a rerun discards it again.
                         Ok(true) => {
@@ -725,6 +875,7 @@ impl Operations {
         parked: &ParkedMessage,
         c: &Classified,
         actor: &Actor,
+        job: Option<&str>,
     ) -> Result<bool, OpsError> {
         let (Some(key), Some(consumer)) = (c.key.as_deref(), c.consumer.as_deref()) else {
             return Ok(false);
@@ -759,13 +910,16 @@ impl Operations {
             DISCARD,
             Some(consumer),
             Some(key),
-            json!({
-                "parking_queue": lot.parking_queue(),
-                "status": status,
-                "error_code": c.error_code,
-                "message_type": c.message_type,
-                "parked_at": parked.parked_at(),
-            }),
+            stamped(
+                json!({
+                    "parking_queue": lot.parking_queue(),
+                    "status": status,
+                    "error_code": c.error_code,
+                    "message_type": c.message_type,
+                    "parked_at": parked.parked_at(),
+                }),
+                job,
+            ),
         )
         .await?;
         tx.commit().await?;
@@ -781,13 +935,17 @@ impl Operations {
         parked: &ParkedMessage,
         c: &Classified,
         actor: &Actor,
+        job: Option<&str>,
     ) -> Result<Option<Republished>, OpsError> {
         let mut tx = self.pool.begin().await?;
-        let details = json!({
-            "via": REDRIVE,
-            "parking_queue": lot.parking_queue(),
-            "work_queue": lot.work_queue(),
-        });
+        let details = stamped(
+            json!({
+                "via": REDRIVE,
+                "parking_queue": lot.parking_queue(),
+                "work_queue": lot.work_queue(),
+            }),
+            job,
+        );
         match (c.class, c.key.as_deref(), c.consumer.as_deref()) {
             (ParkedClass::Reopen, Some(key), Some(consumer)) => {
                 match reopen_row(&mut tx, &self.schema, key, consumer, actor, false, details).await

@@ -4,7 +4,7 @@ use std::{process::ExitCode, time::Duration};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use inbox_ops::{Actor, CleanupReport, CleanupRequest, Operations, OpsError};
+use inbox_ops::{Actor, CleanupReport, CleanupRequest, OpsError};
 use rabbit_inbox::{
     RetryPolicy, retention::RetentionMode, retention::RetentionPolicy, retention::TypeRetention,
 };
@@ -134,7 +134,7 @@ impl CleanupArgs {
 pub(crate) async fn run(servers: &Servers, args: CleanupArgs) -> anyhow::Result<ExitCode> {
     let request = args.request()?;
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
-    let ops = Operations::new(pool, args.inbox.schema()?);
+    let ops = args.inbox.operations(pool).await?;
     let bar = args
         .inbox
         .progress(if args.dry_run { "counting" } else { "cleaning" });

@@ -4,7 +4,7 @@
 use std::{process::ExitCode, time::Duration};
 
 use clap::{Args, ValueEnum};
-use inbox_ops::{DoctorReport, DoctorRequest, Operations, Severity};
+use inbox_ops::{DoctorReport, DoctorRequest, Severity};
 use rabbit_inbox::{
     PayloadStorage, QueueType, retention::RetentionPolicy, retention::TypeRetention,
 };
@@ -163,7 +163,7 @@ impl DoctorArgs {
 pub(crate) async fn run(servers: &Servers, args: DoctorArgs) -> anyhow::Result<ExitCode> {
     let request = args.request(servers);
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
-    let ops = Operations::new(pool, args.inbox.schema()?);
+    let ops = args.inbox.operations(pool).await?;
     let report = ops.doctor(&request).await;
     args.inbox.print(&report, render)?;
     Ok(exit_code(report.worst))

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use inbox_ops::{FailureGroup, Operations};
+use inbox_ops::FailureGroup;
 
 use crate::{
     Servers, connect,
@@ -19,7 +19,7 @@ pub(crate) struct FailuresArgs {
 
 pub(crate) async fn run(servers: &Servers, args: FailuresArgs) -> anyhow::Result<ExitCode> {
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
-    let ops = Operations::new(pool, args.inbox.schema()?);
+    let ops = args.inbox.operations(pool).await?;
     let groups = ops.failure_groups(args.inbox.consumer.as_deref()).await?;
     args.inbox.print(&groups, render)?;
     Ok(ExitCode::SUCCESS)

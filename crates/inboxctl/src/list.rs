@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use inbox_ops::{ListFilter, ListPage, Operations};
+use inbox_ops::{ListFilter, ListPage};
 use rabbit_inbox::InboxStatus;
 
 use crate::{
@@ -62,7 +62,7 @@ pub(crate) fn parse_status(text: &str) -> Result<InboxStatus, String> {
 
 pub(crate) async fn run(servers: &Servers, args: ListArgs) -> anyhow::Result<ExitCode> {
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
-    let ops = Operations::new(pool, args.inbox.schema()?);
+    let ops = args.inbox.operations(pool).await?;
     let page = ops
         .list(&ListFilter {
             consumer: args.inbox.consumer.clone(),

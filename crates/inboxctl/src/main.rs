@@ -20,13 +20,25 @@ mod status;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use inbox_ops::OpsError;
 use inboxctl::{Servers, connect, error_chain, telemetry, when};
+
+/// Exit code of a command run on a schema that holds no inbox.
+const EXIT_NO_INBOX: u8 = 4;
 use rabbit_inbox::SchemaName;
 
 /// The operator's tool for rabbit-inbox (exactly-once RabbitMQ consumers on a PostgreSQL
 /// inbox): migrate, inspect, redrive, reopen, recover, clean up, check, relay and serve.
 #[derive(Parser)]
-#[command(version, about, long_about = None)]
+#[command(
+    version,
+    about,
+    long_about = None,
+    after_help = "Exit codes: 0 done, 1 what the command reports as refused or missing (see its \
+        help), 2 the command could not run (a server unreachable, a bad argument), 4 no inbox \
+        in the --schema given (run `inboxctl migrate --schema <schema>`, or check --schema / \
+        INBOX_SCHEMA). The doctor adds 3: warnings only."
+)]
 struct Cli {
     #[command(flatten)]
     servers: Servers,
@@ -52,8 +64,9 @@ enum Command {
     /// and failed rows (a table, or --json); --requeue-failed puts FAILED rows back.
     Outbox(outbox::OutboxArgs),
     /// Inbox status per consumer and status: row counts, age of the oldest unfinished row,
-    /// stale PROCESSING rows, the last hour's failures, duplicates and payload conflicts, and
-    /// (with --queue) the work queue's and parking lot's depths.
+    /// stale PROCESSING rows, the last hour's failures, duplicate deliveries (copies delivered
+    /// again and acked without running the handler; retries are attempts, not duplicates) and
+    /// payload conflicts, and (with --queue) the work queue's and parking lot's depths.
     #[command(
         after_help = "Example:\n  inboxctl status --schema billing --consumer invoicer --queue invoices"
     )]
@@ -66,8 +79,10 @@ enum Command {
     )]
     List(list::ListArgs),
     /// Show one message: its inbox row for every consumer (or --consumer), its payload if
-    /// kept, tombstones, the audit trail, and where it is on the broker. Exit code 1 if the
-    /// inbox has no trace of it.
+    /// kept, tombstones, the audit trail, and where it is on the broker. A PROCESSED row's
+    /// error is shown as its last failure before it was processed, and its attempts as those
+    /// since the last reopen (a redrive reopens a row with its attempts reset) with the ones
+    /// before. Exit code 1 if the inbox has no trace of it.
     #[command(
         after_help = "Example:\n  inboxctl show 7f3c2a9e-invoice-42 --schema billing --queue invoices"
     )]
@@ -184,10 +199,19 @@ async fn main() -> ExitCode {
         .init();
     match run(cli).await {
         Ok(code) => code,
-        Err(e) => {
-            eprintln!("error: {}", error_chain(&e));
-            ExitCode::from(2)
-        }
+        Err(e) => match e.downcast_ref::<OpsError>() {
+            Some(OpsError::NoInbox { schema }) => {
+                eprintln!(
+                    "error: no inbox in schema {schema} (run `inboxctl migrate --schema \
+                     {schema}`, or check --schema / INBOX_SCHEMA)"
+                );
+                ExitCode::from(EXIT_NO_INBOX)
+            }
+            _ => {
+                eprintln!("error: {}", error_chain(&e));
+                ExitCode::from(2)
+            }
+        },
     }
 }
 

@@ -4,7 +4,7 @@ use std::{process::ExitCode, time::Duration};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use inbox_ops::{Operations, RecoverRequest, RecoveryPolicy, RecoveryReport};
+use inbox_ops::{RecoverRequest, RecoveryPolicy, RecoveryReport};
 use rabbit_inbox::RetryPolicy;
 
 use crate::{
@@ -90,7 +90,7 @@ pub(crate) async fn run(servers: &Servers, args: RecoverArgs) -> anyhow::Result<
         dry_run: args.dry_run,
     };
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
-    let ops = Operations::new(pool, args.inbox.schema()?);
+    let ops = args.inbox.operations(pool).await?;
     let report = match &actor {
         None => ops
             .recover_preview(&request)

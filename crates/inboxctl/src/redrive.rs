@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use inbox_ops::{Operations, ParkedAction, RedriveReport, RedriveRequest};
+use inbox_ops::{ParkedAction, RedriveReport, RedriveRequest};
 
 use crate::{
     Servers,
@@ -75,7 +75,7 @@ pub(crate) async fn run(servers: &Servers, args: RedriveArgs) -> anyhow::Result<
         Some(args.actor.required()?)
     };
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
-    let ops = Operations::new(pool, args.inbox.schema()?);
+    let ops = args.inbox.operations(pool).await?;
     let parking = args
         .parking_queue
         .clone()
@@ -94,6 +94,7 @@ pub(crate) async fn run(servers: &Servers, args: RedriveArgs) -> anyhow::Result<
         drop_processed: args.drop_processed,
         discard: args.discard,
         message_ids: args.message_ids.clone(),
+        job: None,
     };
     let result = {
         let bar = args

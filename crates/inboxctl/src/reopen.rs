@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use inbox_ops::{Operations, OpsError, Reopened};
+use inbox_ops::{OpsError, Reopened};
 
 use crate::{
     Servers,
@@ -33,7 +33,7 @@ pub(crate) async fn run(servers: &Servers, args: ReopenArgs) -> anyhow::Result<E
     };
     let actor = args.actor.required()?;
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
-    let ops = Operations::new(pool, args.inbox.schema()?);
+    let ops = args.inbox.operations(pool).await?;
     match ops
         .reopen(&args.message_id, &consumer, &actor, args.force_replay)
         .await

@@ -4,7 +4,7 @@ use std::{io::Read, path::PathBuf, process::ExitCode};
 
 use anyhow::Context;
 use clap::Args;
-use inbox_ops::{DiffOp, Operations, OpsError, ReplayEditedReport, ReplayEditedRequest, WorkQueue};
+use inbox_ops::{DiffOp, OpsError, ReplayEditedReport, ReplayEditedRequest, WorkQueue};
 
 use crate::{
     Servers,
@@ -67,7 +67,7 @@ pub(crate) async fn run(servers: &Servers, args: ReplayEditedArgs) -> anyhow::Re
         dry_run: args.dry_run,
     };
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
-    let ops = Operations::new(pool, args.inbox.schema()?);
+    let ops = args.inbox.operations(pool).await?;
     let result = match (&actor, args.queue.as_deref()) {
         (Some(actor), Some(queue)) => {
             let parking = args

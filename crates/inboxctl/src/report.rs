@@ -5,7 +5,7 @@ use std::{io::IsTerminal, time::Duration};
 
 use clap::Args;
 use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
-use inbox_ops::Progress;
+use inbox_ops::{Operations, Progress};
 use rabbit_inbox::SchemaName;
 use serde::Serialize;
 
@@ -26,6 +26,15 @@ pub(crate) struct InboxArgs {
 impl InboxArgs {
     pub(crate) fn schema(&self) -> anyhow::Result<SchemaName> {
         Ok(SchemaName::new(&self.schema)?)
+    }
+
+    /// The operations on the inbox in `--schema`, over `pool`; [`inbox_ops::OpsError::NoInbox`]
+    /// (exit code [`crate::EXIT_NO_INBOX`]) when the schema holds none, rather than the
+    /// database's error about a missing relation at the first read.
+    pub(crate) async fn operations(&self, pool: sqlx::PgPool) -> anyhow::Result<Operations> {
+        let ops = Operations::new(pool, self.schema()?);
+        ops.require_inbox().await?;
+        Ok(ops)
     }
 
     /// Prints `value` as JSON with `--json`, otherwise as the table `to_table` builds.

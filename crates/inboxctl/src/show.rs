@@ -4,7 +4,8 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use inbox_ops::{Operations, Payload, ShowQuery, ShowReport};
+use inbox_ops::{AuditEntry, Payload, RowDetail, ShowQuery, ShowReport};
+use rabbit_inbox::InboxStatus;
 
 use crate::{
     Servers, connect,
@@ -24,7 +25,7 @@ pub(crate) struct ShowArgs {
 
 pub(crate) async fn run(servers: &Servers, args: ShowArgs) -> anyhow::Result<ExitCode> {
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
-    let ops = Operations::new(pool, args.inbox.schema()?);
+    let ops = args.inbox.operations(pool).await?;
     let report = ops
         .show(&ShowQuery {
             message_id: args.message_id.clone(),
@@ -41,6 +42,68 @@ pub(crate) async fn run(servers: &Servers, args: ShowArgs) -> anyhow::Result<Exi
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A row's attempts as recorded: a reopen (by hand or by a redrive) resets them to 0, keeping
+/// the earlier count in its audit record, so after one the row's count is the attempts since,
+/// and the ones before are told beside it.
+fn attempts(row: &RowDetail, audit: &[AuditEntry]) -> String {
+    let reopens: Vec<&AuditEntry> = audit
+        .iter()
+        .filter(|a| {
+            a.consumer_name.as_deref() == Some(row.consumer_name.as_str())
+                && matches!(a.action.as_str(), "reopen" | "forced_replay")
+        })
+        .collect();
+    let Some(last) = reopens.last() else {
+        return row.processing_attempt.to_string();
+    };
+    let before: i64 = reopens
+        .iter()
+        .filter_map(|a| a.details["previous_attempts"].as_i64())
+        .sum();
+    let by = if last.details["via"] == "redrive" {
+        "a redrive"
+    } else {
+        "an operator"
+    };
+    format!(
+        "{} since {by} reopened it {} ({before} before)",
+        row.processing_attempt,
+        when::cell(Some(last.occurred_at)),
+    )
+}
+
+/// The row's last error: shown as current while the row is failing, and as the past failure
+/// it is once the row is PROCESSED.
+fn error_rows(row: &RowDetail) -> Vec<(&'static str, String)> {
+    let opt = |v: &Option<String>| v.clone().unwrap_or_default();
+    let message = match &row.last_error_sealed {
+        // The message is sealed and this run could not open it.
+        Some(why) => format!(
+            "{} (sealed message not shown: {why})",
+            opt(&row.last_error_message)
+        ),
+        None => opt(&row.last_error_message),
+    };
+    if row.status != InboxStatus::Processed {
+        return vec![
+            ("error code", opt(&row.last_error_code)),
+            ("error", message),
+        ];
+    }
+    if row.last_error_code.is_none() && row.last_error_message.is_none() {
+        return Vec::new();
+    }
+    let code = opt(&row.last_error_code);
+    vec![(
+        "last failure before it was processed",
+        match (code.is_empty(), message.is_empty()) {
+            (false, false) => format!("{code}: {message}"),
+            (true, _) => message,
+            (false, true) => code,
+        },
+    )]
 }
 
 fn render(r: &ShowReport) -> comfy_table::Table {
@@ -69,7 +132,7 @@ fn render(r: &ShowReport) -> comfy_table::Table {
             ),
             ("status", row.status.to_string()),
             ("broker", location),
-            ("attempts", row.processing_attempt.to_string()),
+            ("attempts", attempts(row, &r.audit)),
             ("deliveries", row.delivery_count.to_string()),
             ("first received", when::cell(Some(row.first_received_at))),
             ("last received", when::cell(Some(row.last_received_at))),
@@ -87,18 +150,13 @@ fn render(r: &ShowReport) -> comfy_table::Table {
             ("processed", when::cell(row.processed_at)),
             ("first failed", when::cell(row.first_failed_at)),
             ("last failed", when::cell(row.last_failed_at)),
-            ("error code", opt(&row.last_error_code)),
-            (
-                "error",
-                match &row.last_error_sealed {
-                    // The message is sealed and this run could not open it.
-                    Some(why) => format!(
-                        "{} (sealed message not shown: {why})",
-                        opt(&row.last_error_message)
-                    ),
-                    None => opt(&row.last_error_message),
-                },
-            ),
+        ] {
+            t.add_row(vec![k.to_owned(), v]);
+        }
+        for (k, v) in error_rows(row) {
+            t.add_row(vec![k.to_owned(), v]);
+        }
+        for (k, v) in [
             ("payload sha256", row.payload_sha256.clone()),
             ("payload conflicts", row.payload_conflicts.to_string()),
             (

@@ -1,10 +1,10 @@
 //! `inboxctl status`: counts and ages per consumer and status, stale PROCESSING rows, the last
-//! hour's failures and duplicates, and the broker's queue depths.
+//! hour's failures and duplicate deliveries, and the broker's queue depths.
 
 use std::process::ExitCode;
 
 use clap::Args;
-use inbox_ops::{Operations, StatusQuery, StatusReport};
+use inbox_ops::{StatusQuery, StatusReport};
 
 use crate::{
     Servers, connect,
@@ -31,7 +31,7 @@ pub(crate) struct StatusArgs {
 
 pub(crate) async fn run(servers: &Servers, args: StatusArgs) -> anyhow::Result<ExitCode> {
     let pool = connect::postgres(&servers.database_url, connect::pool_size(0)).await?;
-    let ops = Operations::new(pool, args.inbox.schema()?);
+    let ops = args.inbox.operations(pool).await?;
     let lot = args.queues.parking_lot(&servers.amqp_url).await?;
     let report = ops
         .status(

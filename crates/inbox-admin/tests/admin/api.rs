@@ -315,6 +315,7 @@ async fn the_openapi_document_describes_every_route() {
         "GET /api/v1/messages/{consumer}/{message_id}",
         "GET /api/v1/failures",
         "GET /api/v1/doctor",
+        "POST /api/v1/doctor",
         "POST /api/v1/recover",
         "POST /api/v1/redrive",
         "POST /api/v1/messages/{consumer}/{message_id}/reopen",
@@ -388,4 +389,65 @@ async fn doctor_checks_the_served_inbox_with_a_read_token() {
         .get(&format!("{url}&payload_storage=some"), Some(READ_TOKEN))
         .await;
     assert_eq!(code, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokenless_get_of_the_doctor_checks_the_ledger_only_and_post_touches_the_broker() {
+    let fx = Fixture::inbox().await;
+    let app = fx.app(Tokens::none());
+    let ids = |report: &Value| -> Vec<String> {
+        report["checks"]
+            .as_array()
+            .map(|checks| {
+                checks
+                    .iter()
+                    .filter_map(|c| c["id"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    // What a cross-site page can make a browser send: a plain GET, no token.
+    let (code, report) = app
+        .get(&format!("/api/v1/doctor?consumer={CONSUMER}"), None)
+        .await;
+    assert_eq!(code, StatusCode::OK, "{report:#}");
+    let checked = ids(&report);
+    assert!(
+        checked.iter().any(|id| id == "schema.migrations"),
+        "{report:#}"
+    );
+    for broker in [
+        "broker.work_queue",
+        "broker.parking_lot",
+        "reconciliation.row_without_copy",
+        "reconciliation.parked_without_row",
+    ] {
+        assert!(
+            !checked.iter().any(|id| id == broker),
+            "{broker} ran on a tokenless GET: {report:#}"
+        );
+    }
+    let skipped = report["checks"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["id"] == "reconciliation.parking_lot"))
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        skipped["hint"].as_str().is_some_and(|h| h.contains("POST")),
+        "says how to run the broker checks: {report:#}"
+    );
+    // A POST (JSON, which a cross-site form cannot send without the browser asking first)
+    // runs every check.
+    let (code, report) = app
+        .post("/api/v1/doctor", None, json!({ "consumer": CONSUMER }))
+        .await;
+    assert_eq!(code, StatusCode::OK, "{report:#}");
+    let checked = ids(&report);
+    for id in [
+        "reconciliation.row_without_copy",
+        "reconciliation.parked_copies",
+    ] {
+        assert!(checked.iter().any(|c| c == id), "{id}: {report:#}");
+    }
+    assert_eq!(fx.depths().await.parking, 2);
 }

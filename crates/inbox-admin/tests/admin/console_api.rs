@@ -635,3 +635,52 @@ async fn queue_depths_are_sampled_by_the_server_and_kept_for_the_chart() {
         "{answer:#}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_trail_of_a_job_is_that_jobs_rows_only() {
+    let fx = Fixture::inbox().await;
+    let app = fx.app(tokens());
+    // Two jobs by one token, one after the other: one copy each.
+    let mut jobs = Vec::new();
+    for id in ["refund-1", "refund-2"] {
+        let body = json!({ "action": "redrive", "message_ids": [id],
+                           "reason": "refunds are supported now" });
+        let (code, started) = app.post("/api/v1/jobs", Some(ADMIN_TOKEN), body).await;
+        assert_eq!(code, StatusCode::ACCEPTED, "{started}");
+        let job_id = started["id"].as_str().expect("an id").to_owned();
+        let mut job = Value::Null;
+        wait_for("the job to finish", async || {
+            job = app
+                .get(&format!("/api/v1/jobs/{job_id}"), Some(ADMIN_TOKEN))
+                .await
+                .1;
+            job["state"] != "running"
+        })
+        .await;
+        assert_eq!(job["report"]["actions"]["moved"], 1, "{job:#}");
+        jobs.push((job_id, id, job));
+    }
+    assert_eq!(fx.audit().await.len(), 2);
+    for (job_id, message_id, job) in &jobs {
+        // Found by the job's id, with the console's actor and time filters as well.
+        for query in [
+            format!("job={job_id}"),
+            format!(
+                "job={job_id}&actor=alice&since={}",
+                job["started_at"]
+                    .as_str()
+                    .expect("a start")
+                    .replace('+', "%2B")
+            ),
+        ] {
+            let (code, audit) = app
+                .get(&format!("/api/v1/audit?{query}"), Some(READ_TOKEN))
+                .await;
+            assert_eq!(code, StatusCode::OK, "{audit}");
+            let rows = audit.as_array().expect("a list");
+            assert_eq!(rows.len(), 1, "{query}: {audit:#}");
+            assert_eq!(rows[0]["message_id"], *message_id, "{audit:#}");
+            assert_eq!(rows[0]["details"]["job"], job_id.as_str(), "{audit:#}");
+        }
+    }
+}

@@ -565,10 +565,18 @@ async fn inputs_are_bounded_validated_and_answered_in_json() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn database_errors_are_logged_under_a_request_id_not_returned() {
     let fx = Fixture::inbox().await;
-    let missing = rabbit_inbox::SchemaName::new(format!("{}_missing", fx.env.schema.as_str()))
-        .expect("schema name");
+    // A database that refuses the server's role: PostgreSQL's error names the role.
+    let role = format!("{}_nobody", fx.env.schema.as_str());
+    let refused = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy_with(
+            inbox_testkit::database_url()
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .expect("DATABASE_URL")
+                .username(&role),
+        );
     let mut state = fx.state(util::tokens(), None);
-    state.ops = inbox_ops::Operations::new(fx.env.pool.clone(), missing.clone());
+    state.ops = inbox_ops::Operations::new(refused, fx.env.schema.clone());
     let app = InProcess::new(state, util::LOCAL, &ServeOptions::default());
     for path in ["status", "messages", "failures"] {
         let request = app
@@ -590,7 +598,7 @@ async fn database_errors_are_logged_under_a_request_id_not_returned() {
         for leak in [
             "relation",
             "does not exist",
-            missing.as_str(),
+            role.as_str(),
             "SQL",
             "message_inbox",
         ] {
@@ -616,13 +624,15 @@ async fn repeated_failed_authentications_from_one_address_are_slowed() {
             StatusCode::UNAUTHORIZED
         );
     }
+    // The next failed attempt is refused; a valid token from the same address still passes.
     let request = app
-        .request("GET", status, Some(READ_TOKEN))
+        .request("GET", status, Some(&format!("{:032x}", 99)))
         .body(Body::empty())
         .expect("a request");
     let response = app.send(request).await;
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert!(response.headers().get("retry-after").is_some());
+    assert_eq!(app.get(status, Some(READ_TOKEN)).await.0, StatusCode::OK);
     // Other servers (other counters) and probes are unaffected.
     assert_eq!(app.get("/healthz", None).await.0, StatusCode::OK);
     let other = fx.app(util::tokens());
@@ -679,5 +689,264 @@ async fn responses_carry_nosniff_no_store_and_the_dashboard_a_policy() {
         assert_eq!(r.status(), StatusCode::OK, "{asset}");
         assert_eq!(header(&r, "x-content-type-options"), "nosniff", "{asset}");
         assert!(header(&r, "content-type").starts_with(kind), "{asset}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_valid_token_passes_where_failed_guesses_from_its_address_are_throttled() {
+    let fx = Fixture::inbox().await;
+    let app = fx.app(util::tokens());
+    let status = "/api/v1/status";
+    // One client behind a shared address guesses until it is throttled...
+    for n in 0..inbox_admin::MAX_FAILURES {
+        let guess = format!("{:032x}", u128::from(n) + 1);
+        assert_eq!(
+            app.get(status, Some(&guess)).await.0,
+            StatusCode::UNAUTHORIZED
+        );
+    }
+    let request = app
+        .request("GET", status, Some(&format!("{:032x}", 99)))
+        .body(Body::empty())
+        .expect("a request");
+    let response = app.send(request).await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(response.headers().get("retry-after").is_some());
+    // ...and everyone else at that address with a valid token is still served.
+    assert_eq!(app.get(status, Some(READ_TOKEN)).await.0, StatusCode::OK);
+    let (code, _) = app
+        .post(
+            "/api/v1/redrive",
+            Some(ADMIN_TOKEN),
+            json!({ "reason": "checking", "dry_run": true }),
+        )
+        .await;
+    assert_eq!(code, StatusCode::OK);
+    // Without a token, the throttled address is still refused.
+    assert_eq!(app.get(status, None).await.0, StatusCode::TOO_MANY_REQUESTS);
+}
+
+/// `text` in base64url without padding (a list cursor's encoding).
+fn base64url(text: &str) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let bytes = text.as_bytes();
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nul_byte_or_a_time_postgresql_cannot_hold_is_a_400_naming_the_field() {
+    let fx = Fixture::inbox().await;
+    let app = fx.app(util::tokens());
+    let refused = |what: &str, field: &str, code: StatusCode, body: &Value| {
+        assert_eq!(code, StatusCode::BAD_REQUEST, "{what}: {body}");
+        let error = body["error"].as_str().unwrap_or_default();
+        assert!(error.contains(field), "{what}: names {field:?}: {body}");
+    };
+    // Path segments.
+    for (method, path) in [
+        ("GET", "/api/v1/messages/{c}/{m}"),
+        ("GET", "/api/v1/messages/{c}/{m}/timeline"),
+        ("POST", "/api/v1/messages/{c}/{m}/reopen"),
+        ("POST", "/api/v1/messages/{c}/{m}/replay-edited"),
+    ] {
+        for (field, c, m) in [
+            ("message_id", CONSUMER, "refund%001"),
+            ("consumer", "orders%00", "refund-1"),
+        ] {
+            let path = path.replace("{c}", c).replace("{m}", m);
+            let (code, body) = if method == "GET" {
+                app.get(&path, Some(ADMIN_TOKEN)).await
+            } else {
+                let body = json!({ "reason": "fixed", "body": "{}", "dry_run": true });
+                app.post(&path, Some(ADMIN_TOKEN), body).await
+            };
+            refused(&format!("{method} {path}"), field, code, &body);
+        }
+    }
+    // Query parameters.
+    for (path, field) in [
+        ("/api/v1/status", "consumer"),
+        ("/api/v1/failures", "consumer"),
+        ("/api/v1/doctor", "consumer"),
+        ("/api/v1/activity", "consumer"),
+        ("/api/v1/audit", "consumer"),
+        ("/api/v1/audit", "actor"),
+        ("/api/v1/audit", "action"),
+        ("/api/v1/messages", "message_id"),
+        ("/api/v1/messages", "consumer"),
+        ("/api/v1/messages", "correlation_id"),
+        ("/api/v1/messages", "type"),
+        ("/api/v1/messages", "error_code"),
+        ("/api/v1/messages", "aggregate_type"),
+        ("/api/v1/messages", "aggregate_id"),
+        ("/api/v1/messages", "tenant"),
+        ("/api/v1/messages", "cursor"),
+    ] {
+        let path = format!("{path}?{field}=a%00b");
+        let (code, body) = app.get(&path, Some(READ_TOKEN)).await;
+        refused(&path, field, code, &body);
+    }
+    // Cursors PostgreSQL cannot follow: a key with a NUL, a time before 4713 BC or after
+    // year 294276.
+    let micros_per_year = 365.2425 * 86_400.0 * 1e6;
+    for (what, cursor) in [
+        (
+            "a NUL in the key",
+            r#"{"t":0,"m":"a\u0000b","c":"orders"}"#.to_owned(),
+        ),
+        (
+            "the year -5000",
+            format!(
+                r#"{{"t":{},"m":"a","c":"orders"}}"#,
+                (-6970.0 * micros_per_year) as i64
+            ),
+        ),
+        (
+            "the year 300000",
+            format!(r#"{{"t":{},"m":"a","c":"orders"}}"#, i64::MAX),
+        ),
+    ] {
+        let path = format!("/api/v1/messages?cursor={}", base64url(&cursor));
+        let (code, body) = app.get(&path, Some(READ_TOKEN)).await;
+        refused(what, "cursor", code, &body);
+    }
+    // Bodies.
+    let nul = "a\u{0}b";
+    for (path, body, field) in [
+        (
+            "/api/v1/redrive",
+            json!({ "reason": nul, "dry_run": true }),
+            "reason",
+        ),
+        (
+            "/api/v1/redrive",
+            json!({ "reason": "r", "ticket": nul, "dry_run": true }),
+            "ticket",
+        ),
+        (
+            "/api/v1/redrive",
+            json!({ "reason": "r", "consumer": nul, "dry_run": true }),
+            "consumer",
+        ),
+        (
+            "/api/v1/redrive",
+            json!({ "reason": "r", "type": nul, "dry_run": true }),
+            "type",
+        ),
+        (
+            "/api/v1/redrive",
+            json!({ "reason": "r", "error_code": nul, "dry_run": true }),
+            "error_code",
+        ),
+        (
+            "/api/v1/redrive",
+            json!({ "reason": "r", "message_ids": ["ok", nul], "dry_run": true }),
+            "message_ids",
+        ),
+        (
+            "/api/v1/discard",
+            json!({ "reason": nul, "dry_run": true }),
+            "reason",
+        ),
+        (
+            "/api/v1/discard",
+            json!({ "reason": "r", "consumer": nul, "dry_run": true }),
+            "consumer",
+        ),
+        (
+            "/api/v1/jobs",
+            json!({ "action": "redrive", "reason": nul }),
+            "reason",
+        ),
+        (
+            "/api/v1/jobs",
+            json!({ "action": "discard", "reason": "r", "message_ids": [nul] }),
+            "message_ids",
+        ),
+        (
+            "/api/v1/recover",
+            json!({ "consumer": nul, "reason": "r", "dry_run": true }),
+            "consumer",
+        ),
+        (
+            "/api/v1/recover",
+            json!({ "consumer": CONSUMER, "reason": nul, "dry_run": true }),
+            "reason",
+        ),
+        (
+            "/api/v1/cleanup/dry-run",
+            json!({ "consumer": nul, "reason": "r" }),
+            "consumer",
+        ),
+        (
+            "/api/v1/cleanup/dry-run",
+            json!({ "consumer": CONSUMER, "reason": nul }),
+            "reason",
+        ),
+        ("/api/v1/doctor", json!({ "consumer": nul }), "consumer"),
+    ] {
+        let (code, answer) = app.post(path, Some(ADMIN_TOKEN), body.clone()).await;
+        refused(&format!("POST {path} {body}"), field, code, &answer);
+    }
+    for (field, body) in [
+        ("reason", json!({ "reason": nul })),
+        ("ticket", json!({ "reason": "r", "ticket": nul })),
+    ] {
+        let path = format!("/api/v1/messages/{CONSUMER}/refund-1/reopen");
+        let (code, answer) = app.post(&path, Some(ADMIN_TOKEN), body).await;
+        refused(&path, field, code, &answer);
+        let path = format!("/api/v1/messages/{CONSUMER}/refund-1/replay-edited");
+        let mut edit = json!({ "body": "{\"order\": \"x\"}", "dry_run": true });
+        edit[field] = json!(nul);
+        if field == "ticket" {
+            edit["reason"] = json!("r");
+        }
+        let (code, answer) = app.post(&path, Some(ADMIN_TOKEN), edit).await;
+        refused(&path, field, code, &answer);
+    }
+    // Nothing refused was written, and the server still answers.
+    assert!(fx.audit().await.is_empty(), "{:?}", fx.audit().await);
+    assert_eq!(
+        app.get("/api/v1/status", Some(READ_TOKEN)).await.0,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_without_an_inbox_is_named_in_the_error() {
+    let fx = Fixture::inbox().await;
+    let missing = rabbit_inbox::SchemaName::new(format!("{}_missing", fx.env.schema.as_str()))
+        .expect("schema name");
+    let mut state = fx.state(util::tokens(), None);
+    state.ops = inbox_ops::Operations::new(fx.env.pool.clone(), missing.clone());
+    let app = InProcess::new(state, util::LOCAL, &ServeOptions::default());
+    for path in [
+        "/api/v1/status",
+        "/api/v1/messages",
+        "/api/v1/failures",
+        "/api/v1/audit",
+        "/api/v1/messages/orders/refund-1",
+    ] {
+        let (code, body) = app.get(path, Some(ADMIN_TOKEN)).await;
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE, "{path}: {body}");
+        let text = body["error"].as_str().unwrap_or_default();
+        assert!(
+            text.contains(&format!("no inbox in schema {missing}"))
+                && text.contains(&format!("inboxctl migrate --schema {missing}")),
+            "{path}: {body}"
+        );
+        for leak in ["relation", "does not exist", "SQL"] {
+            assert!(!text.contains(leak), "{leak:?} in {body}");
+        }
     }
 }

@@ -11,12 +11,14 @@
 //! |                  | at-least-once dead-lettering                                        |
 //! | `retention`      | dedup window not shorter than the redelivery horizon                |
 //! | `recovery`       | no stale PROCESSING rows, no lost retries (recovery's dry run)      |
-//! | `reconciliation` | parking lot against parked rows, both ways (redrive's dry run);     |
-//! |                  | payload conflicts (parked by design) apart from other PROCESSED     |
+//! | `reconciliation` | parking lot against parked rows, both ways (redrive's dry run), and |
+//! |                  | by count (duplicates parked); payload conflicts (parked by design)  |
+//! |                  | apart from other PROCESSED                                          |
 //! | `privacy`        | stored payloads as the payload policy allows                        |
 //!
 //! Read-only: nothing is changed, and the parking lot is read as redrive's dry run reads it
-//! (each copy held unacked for the pass, then put back in its place). A check that cannot run
+//! (each copy held unacked for the pass, then put back in its place), under the parking lot's
+//! lock, so a redrive never runs beside the pass and sees only part of the parking lot. A check that cannot run
 //! (a database error) is a `fail` row saying why; a management API that does not answer is a
 //! `warn` row (the topology was not checked), never an error of the whole run.
 
@@ -134,6 +136,9 @@ pub mod check_ids {
     pub const PROCESSED_IN_PARKING_LOT: &str = "reconciliation.processed_in_parking_lot";
     /// Parked payload conflicts: a producer reused a message id with another body.
     pub const PAYLOAD_CONFLICTS: &str = "reconciliation.payload_conflicts";
+    /// More copies in the parking lot than the parked rows (one each) and the payload
+    /// conflicts account for: duplicates parked.
+    pub const PARKED_COPIES: &str = "reconciliation.parked_copies";
     /// Payloads kept although the storage policy says not to.
     pub const PAYLOAD_STORAGE: &str = "privacy.payload_storage";
     /// Payloads kept in clear although encryption is configured.

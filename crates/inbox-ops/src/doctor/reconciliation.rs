@@ -1,11 +1,22 @@
 //! Reconciliation: the parking lot against the parked rows, both ways, from redrive's
-//! dry-run classification.
+//! dry-run classification, and by count: the parking lot should hold one copy per parked row
+//! that has one (its confirmed parked copy; discarded rows have none) plus each copy parked as
+//! a payload conflict. Fewer is a lost copy (`row_without_copy`, a failure); more are
+//! duplicates parked (`parked_copies`, a warning: a redrive takes each back and the inbox
+//! drops all but one). Copies without a parked row (unknown, PROCESSED, removed by retention)
+//! are counted by their own checks, not here.
+//!
+//! The pass holds the parking lot's lock (see [`crate::redrive`]): it waits for a redrive's
+//! pass to end (at most `DOCTOR_LOT_PATIENCE`), and a redrive waits for it.
 
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, Row};
 
 use super::{Area, Check, DoctorRequest, Severity, examples, ids};
-use crate::{NoProgress, Operations, OpsError, ParkedClass, RedriveRequest, redrive::ParkedKeys};
+use crate::{
+    NoProgress, Operations, OpsError, ParkedClass, RedriveRequest,
+    redrive::{DOCTOR_LOT_PATIENCE, ParkedKeys},
+};
 use rabbit_inbox::{broker::ParkingLot, broker::Topology};
 
 impl Operations {
@@ -70,7 +81,14 @@ impl Operations {
             ..RedriveRequest::default()
         };
         let report = self
-            .redrive_seeing(lot, &dry_run, None, &NoProgress, Some(&mut seen))
+            .redrive_seeing(
+                lot,
+                &dry_run,
+                None,
+                &NoProgress,
+                Some(&mut seen),
+                Some(DOCTOR_LOT_PATIENCE),
+            )
             .await?;
         let ids_of = |class: ParkedClass| -> Vec<String> {
             report
@@ -236,6 +254,55 @@ impl Operations {
                  these back; republish them from the producer, or reopen each row \
                  (inboxctl reopen) and publish again",
             )
+        });
+
+        // By count: one copy per parked row that has one, plus the payload conflicts.
+        let with_copy = seen.parked_copies.len() as u64;
+        let own: u64 = seen.parked_copies.values().sum();
+        let conflicts = seen.conflict_copies;
+        let (copies, accounted) = (own + conflicts, with_copy + conflicts);
+        let mut duplicated: Vec<(&str, u64)> = seen
+            .parked_copies
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .map(|((_, id), n)| (id.as_str(), *n))
+            .collect();
+        duplicated.sort_unstable();
+        let lot_name = &topology.parking_queue;
+        rows.push(if duplicated.is_empty() {
+            Check::pass(
+                ids::PARKED_COPIES,
+                area,
+                format!(
+                    "{copies} copies in {lot_name}: one per parked row with a copy \
+                     ({with_copy}) plus {conflicts} payload-conflict copy(ies)"
+                ),
+            )
+        } else {
+            let extra = copies - accounted;
+            let shown: Vec<String> = duplicated
+                .iter()
+                .map(|(id, n)| format!("{id} ({n} copies)"))
+                .collect();
+            Check::new(
+                ids::PARKED_COPIES,
+                area,
+                Severity::Warn,
+                format!(
+                    "{copies} copies in {lot_name} where the parked rows account for \
+                     {accounted} ({with_copy} parked row(s), one copy each, plus {conflicts} \
+                     payload-conflict copy(ies)): {extra} more, duplicates of {} parked \
+                     message(s)",
+                    duplicated.len()
+                ),
+            )
+            .detail(examples(&shown, duplicated.len() as u64))
+            .hint(format!(
+                "duplicates parked (a copy parked again before its first was noted, or \
+                 redelivered by the broker): nothing is lost or applied twice. A redrive takes \
+                 every copy back, each once, and the inbox drops all but the first as \
+                 duplicates ({redrive} --actor <you> --reason <why>)"
+            ))
         });
         Ok(rows)
     }

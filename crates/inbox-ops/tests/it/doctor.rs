@@ -172,6 +172,7 @@ async fn a_correct_installation_has_no_failing_check() {
         ids::ROW_WITHOUT_COPY,
         ids::PROCESSED_IN_PARKING_LOT,
         ids::PAYLOAD_CONFLICTS,
+        ids::PARKED_COPIES,
         ids::PAYLOAD_STORAGE,
         ids::PAYLOAD_ENCRYPTION,
     ] {
@@ -563,4 +564,154 @@ async fn payloads_the_policy_does_not_allow_are_warnings() {
     assert_eq!(storage.detail.as_deref(), Some("InvoiceIssued: 2"));
     assert_eq!(severity(&report, ids::PAYLOAD_ENCRYPTION), Severity::Warn);
     assert!(failing(&report).is_empty(), "{report:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_parked_copies_than_parked_rows_is_a_warning_naming_both_figures() {
+    let env = TestEnv::new().await;
+    let config = env.config(CONSUMER, env.topology("invoices"));
+    run_consumer(&env, &config, &["inv-1"], &["inv-bad-1", "inv-bad-2"]).await;
+    // A second copy of a parked message (a copy parked again, or redelivered by the broker).
+    park_by_hand(&env, &config.topology, "inv-bad-1").await;
+    wait_for("three parked copies", async || {
+        env.depths(&config.topology).await.parking == 3
+    })
+    .await;
+
+    let report = doctor(&env, &request(&config)).await;
+    assert!(failing(&report).is_empty(), "{report:#?}");
+    let check = report
+        .check("reconciliation.parked_copies")
+        .unwrap_or_else(|| panic!("the copies are counted: {report:#?}"));
+    assert_eq!(check.severity, Severity::Warn, "{check:?}");
+    assert!(
+        check.summary.contains("3 copies") && check.summary.contains("account for 2"),
+        "both figures named: {check:?}"
+    );
+    assert!(
+        check
+            .detail
+            .as_deref()
+            .is_some_and(|d| d.contains("inv-bad-1") && !d.contains("inv-bad-2")),
+        "{check:?}"
+    );
+    assert!(
+        check.hint.as_deref().is_some_and(|h| h.contains("redrive")),
+        "{check:?}"
+    );
+    // The other direction and the other checks are as before.
+    assert_eq!(severity(&report, ids::ROW_WITHOUT_COPY), Severity::Pass);
+    assert_eq!(severity(&report, ids::PARKED_WITHOUT_ROW), Severity::Pass);
+    assert_eq!(
+        env.depths(&config.topology).await.parking,
+        3,
+        "nothing consumed"
+    );
+
+    // One copy per parked row: the count passes.
+    assert_eq!(env.take_parked(&config.topology, 3).await.len(), 3);
+    for id in ["inv-bad-1", "inv-bad-2"] {
+        park_by_hand(&env, &config.topology, id).await;
+    }
+    wait_for("two parked copies", async || {
+        env.depths(&config.topology).await.parking == 2
+    })
+    .await;
+    let report = doctor(&env, &request(&config)).await;
+    assert_eq!(
+        report.severity("reconciliation.parked_copies"),
+        Some(Severity::Pass),
+        "{report:#?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_beside_a_doctor_pass_moves_every_parked_copy() {
+    const N: u32 = 300;
+    let env = TestEnv::new().await;
+    let config = env.config(CONSUMER, env.topology("invoices"));
+    env.declare(&config).await;
+    // N parked rows, each with its copy in the parking lot.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".message_inbox (message_id, consumer_name, message_type, \
+           message_version, status, processing_attempt, first_received_at, first_failed_at, \
+           last_failed_at, parked_copy_at, last_error_code, payload_sha256) \
+         SELECT 'inv-' || i, $1, 'InvoiceIssued', 1, 'PERMANENT_FAILED', 1, \
+           now() - interval '1 minute', now() - interval '1 minute', now() - interval '1 minute', \
+           now() - interval '1 minute', 'test_permanent', '\\x00' \
+         FROM generate_series(1, $2) AS i",
+        env.schema
+    )))
+    .bind(CONSUMER)
+    .bind(i32::try_from(N).expect("small"))
+    .execute(&env.pool)
+    .await
+    .expect("parked rows");
+    for i in 1..=N {
+        park_by_hand(&env, &config.topology, &format!("inv-{i}")).await;
+    }
+    wait_for("every copy parked", async || {
+        env.depths(&config.topology).await.parking == N
+    })
+    .await;
+
+    let ops = Operations::new(env.pool.clone(), env.schema.clone());
+    let doctor_pass = {
+        let ops = ops.clone();
+        let request = request(&config);
+        tokio::spawn(async move { ops.doctor(&request).await })
+    };
+    // The doctor's pass holds copies while it reads them.
+    let mut overlapped = false;
+    for _ in 0..4000 {
+        if env.depths(&config.topology).await.parking < N {
+            overlapped = true;
+            break;
+        }
+        if doctor_pass.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(
+        overlapped,
+        "the redrive starts while the doctor reads the parking lot"
+    );
+    let lot = rabbit_inbox::broker::ParkingLot::connect(
+        &amqp_url(),
+        &config.topology.queue,
+        &config.topology.parking_queue,
+    )
+    .await
+    .expect("parking lot");
+    let actor = inbox_ops::Actor::new("alice", "fix deployed").expect("actor");
+    let redrive = ops
+        .redrive(
+            &lot,
+            &inbox_ops::RedriveRequest::default(),
+            Some(&actor),
+            &inbox_ops::NoProgress,
+        )
+        .await
+        .expect("redrive");
+    lot.close().await;
+    let report = doctor_pass.await.expect("the doctor's pass");
+
+    assert_eq!(
+        redrive.action(inbox_ops::ParkedAction::Moved),
+        u64::from(N),
+        "every parked copy redriven: {redrive:#?}"
+    );
+    let depths = env.depths(&config.topology).await;
+    assert_eq!((depths.parking, depths.work), (0, N));
+    // The doctor saw the parking lot whole, before or after the redrive, never half of it.
+    assert!(
+        failing(&report).is_empty(),
+        "{:#?}",
+        report
+            .checks
+            .iter()
+            .filter(|c| c.severity == Severity::Fail)
+            .collect::<Vec<_>>()
+    );
 }

@@ -441,3 +441,71 @@ async fn stale_and_overdue_follow_leases_and_retry_delays() {
         "{sample:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_counts_duplicate_deliveries_not_retries() {
+    let env = TestEnv::new().await;
+    let topology = env.topology("invoices");
+    let config = env.config(CONSUMER, topology.clone());
+    env.declare(&config).await;
+    let (handler, plan) = env.handler();
+    // Retried once, then processed: two deliveries, two attempts, no duplicate.
+    plan.for_id("inv-retried", Rule::FailAttempts(1));
+    // Retried until poisoned: every delivery an attempt.
+    plan.for_id("inv-poisoned", Rule::Retryable);
+    let running = env.start(config.clone(), handler);
+    for id in ["inv-retried", "inv-poisoned", "inv-twice"] {
+        env.publish(&topology, &invoice(id, "c-1", "acme")).await;
+    }
+    env.wait_for_record(CONSUMER, "inv-twice", "processed", |r| {
+        r.status == InboxStatus::Processed
+    })
+    .await;
+    // The same message again: a duplicate delivery.
+    env.publish(&topology, &invoice("inv-twice", "c-1", "acme"))
+        .await;
+    env.wait_for_record(CONSUMER, "inv-twice", "duplicate noted", |r| {
+        r.delivery_count == 2
+    })
+    .await;
+    env.wait_for_record(CONSUMER, "inv-retried", "processed on its retry", |r| {
+        r.status == InboxStatus::Processed && r.delivery_count == 2
+    })
+    .await;
+    env.wait_for_record(CONSUMER, "inv-poisoned", "poisoned", |r| {
+        r.status == InboxStatus::Poisoned
+    })
+    .await;
+    running.stop().await;
+
+    let ops = Operations::new(env.pool.clone(), env.schema.clone());
+    let report = ops
+        .status(
+            &StatusQuery {
+                consumer: Some(CONSUMER.into()),
+                retry_delays: config.retry.delays.clone(),
+                ..StatusQuery::default()
+            },
+            None,
+        )
+        .await
+        .expect("status");
+    let line = |status| {
+        report
+            .lines
+            .iter()
+            .find(|l| l.status == status)
+            .unwrap_or_else(|| panic!("a {status} line in {:#?}", report.lines))
+    };
+    assert_eq!(
+        line(InboxStatus::Processed).duplicates_last_hour,
+        1,
+        "inv-twice came twice; inv-retried's second delivery was its retry: {:#?}",
+        report.lines
+    );
+    assert_eq!(
+        line(InboxStatus::Poisoned).duplicates_last_hour,
+        0,
+        "each delivery of inv-poisoned was an attempt"
+    );
+}

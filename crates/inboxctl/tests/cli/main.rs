@@ -8,6 +8,7 @@ mod cleanup_cli;
 mod common;
 mod doctor_cli;
 mod ops_commands;
+mod read_commands;
 mod recover_cli;
 mod replay_cli;
 mod serve_cli;
