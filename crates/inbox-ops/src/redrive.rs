@@ -53,14 +53,14 @@
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use sqlx::{AssertSqlSafe, Connection, PgConnection, Row};
+use sqlx::{AssertSqlSafe, Row};
 
 use super::{
     Actor, Operations, OpsError, Progress,
@@ -68,8 +68,14 @@ use super::{
     reopen::{FORCED_REPLAY, reopen_row},
 };
 use rabbit_inbox::{
-    broker::ParkedMessage, broker::ParkingLot, broker::Republished, envelope::EnvelopeRules,
-    envelope::parse, schema::SchemaName, status::InboxStatus,
+    advisory_lock::{self, SessionLock},
+    broker::ParkedMessage,
+    broker::ParkingLot,
+    broker::Republished,
+    envelope::EnvelopeRules,
+    envelope::parse,
+    schema::SchemaName,
+    status::InboxStatus,
 };
 
 /// Audit action of a parked copy moved back for an open row, or without an inbox row.
@@ -101,20 +107,11 @@ pub(crate) struct ParkedKeys {
     pub(crate) conflict_copies: u64,
 }
 
-/// How often a pass waiting for [`LotLock`] tries again.
-const LOT_LOCK_POLL: Duration = Duration::from_millis(100);
-/// After how long a wait for [`LotLock`] is logged, once.
-const LOT_LOCK_NOTICE: Duration = Duration::from_secs(10);
-
-/// The right to walk one parking lot of one schema: a PostgreSQL session advisory lock keyed
-/// by both names, held on a connection of its own for the whole pass. Waiters poll with
-/// `pg_try_advisory_lock`, so a waiter whose future is dropped leaves no lock request behind.
-/// Released by [`LotLock::release`]; dropped without it (an error, a killed pass), the
-/// connection closes and the server releases the lock with the session.
-pub(crate) struct LotLock {
-    conn: PgConnection,
-    key: i64,
-}
+/// The right to walk one parking lot of one schema: a session advisory lock keyed by both
+/// names, held on a connection of its own for the whole pass. Dropped without
+/// [`LotLock::release`] (an error, a killed pass), the connection closes and the server
+/// releases the lock with the session.
+pub(crate) struct LotLock(SessionLock);
 
 impl LotLock {
     /// The lock of `parking_queue` in `schema`, once no other pass holds it; with `patience`,
@@ -125,54 +122,23 @@ impl LotLock {
         parking_queue: &str,
         patience: Option<Duration>,
     ) -> Result<Option<Self>, OpsError> {
-        let mut conn = pool.acquire().await?.detach();
-        let key = lot_lock_key(schema, parking_queue);
-        let started = Instant::now();
-        let mut noticed = false;
-        loop {
-            let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-                .bind(key)
-                .fetch_one(&mut conn)
-                .await?;
-            if locked {
-                return Ok(Some(Self { conn, key }));
-            }
-            if patience.is_some_and(|p| started.elapsed() >= p) {
-                let _ = conn.close().await;
-                return Ok(None);
-            }
-            if !noticed && started.elapsed() >= LOT_LOCK_NOTICE {
-                noticed = true;
-                tracing::warn!(
-                    schema = %schema,
-                    parking_queue,
-                    "waiting for another redrive or doctor pass over this parking lot to end"
-                );
-            }
-            tokio::time::sleep(LOT_LOCK_POLL).await;
-        }
+        let key = advisory_lock::key(&["rabbit-inbox parking lot", schema.as_str(), parking_queue]);
+        let notice = || {
+            tracing::warn!(
+                schema = %schema,
+                parking_queue,
+                "waiting for another redrive or doctor pass over this parking lot to end"
+            );
+        };
+        Ok(SessionLock::acquire(pool, key, patience, notice)
+            .await?
+            .map(Self))
     }
 
     /// Unlocks and closes the connection.
-    pub(crate) async fn release(mut self) {
-        let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
-            .bind(self.key)
-            .execute(&mut self.conn)
-            .await;
-        // Closing ends the session, which releases the lock even if the unlock failed.
-        let _ = self.conn.close().await;
+    pub(crate) async fn release(self) {
+        let _ = self.0.release().await;
     }
-}
-
-/// The advisory lock key of `parking_queue` in `schema`: the first 8 bytes of a SHA-256 over a
-/// fixed prefix and both names, the same in every process and every version.
-fn lot_lock_key(schema: &SchemaName, parking_queue: &str) -> i64 {
-    let digest = Sha256::digest(format!(
-        "rabbit-inbox parking lot\0{schema}\0{parking_queue}"
-    ));
-    let mut key = [0u8; 8];
-    key.copy_from_slice(&digest[..8]);
-    i64::from_be_bytes(key)
 }
 
 /// How long the doctor waits for a redrive's pass over the parking lot before it reports the

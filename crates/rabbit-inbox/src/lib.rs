@@ -47,6 +47,7 @@
 pub mod status;
 
 // What the ledger and the broker build on.
+pub mod advisory_lock;
 mod backoff;
 pub mod canonical_json;
 mod db_error;

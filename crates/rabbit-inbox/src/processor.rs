@@ -676,7 +676,7 @@ impl<H: BatchHandler> Processor<H> {
     /// Logs and counts deliveries requeued for a deployment fault: the service cannot run
     /// until it is fixed, and an operator must hear of it (nothing is parked to show it). One
     /// line per round; the lane's back-off bounds how often.
-    fn report_deployment_faults(&self, faults: &[(String, String)]) {
+    pub(crate) fn report_deployment_faults(&self, faults: &[(String, String)]) {
         let consumer = self.stats.consumer_label();
         let mut by_state: Vec<(&str, u64)> = Vec::new();
         for (state, _) in faults {

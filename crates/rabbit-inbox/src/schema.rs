@@ -1,13 +1,13 @@
 //! The inbox schema: a validated PostgreSQL schema name and the embedded migrations.
 
-use std::{
-    fmt,
-    time::{Duration, Instant},
+use std::fmt;
+
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, migrate::Migrator};
+
+use crate::{
+    advisory_lock::{self, SessionLock},
+    error::{ConfigError, StoreError},
 };
-
-use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, migrate::Migrator};
-
-use crate::error::{ConfigError, StoreError};
 
 /// The inbox's migrations. One static serves every schema: the SQL uses unqualified names and
 /// [`migrate`] runs it with `search_path` set to the target schema.
@@ -62,12 +62,6 @@ impl fmt::Display for SchemaName {
     }
 }
 
-/// How often an instance asks again for a [`SchemaLock`] another instance holds.
-const LOCK_POLL_INTERVAL: Duration = Duration::from_millis(100);
-
-/// After how long a wait for a [`SchemaLock`] is logged, once.
-const LOCK_WAIT_NOTICE: Duration = Duration::from_secs(10);
-
 /// Exclusive right to change one schema's DDL: a PostgreSQL session advisory lock keyed by the
 /// schema name, held on a connection of its own.
 ///
@@ -78,75 +72,40 @@ const LOCK_WAIT_NOTICE: Duration = Duration::from_secs(10);
 /// lock, one instance after the other.
 ///
 /// The lock is a session lock, not a transaction lock, so the connection stays outside any
-/// transaction and can run `CREATE INDEX CONCURRENTLY` (a `-- no-transaction` migration).
-/// Waiters poll with `pg_try_advisory_lock` instead of blocking in `pg_advisory_lock`: a
-/// concurrent index build waits for every transaction that is running when it starts,
-/// including a blocked `pg_advisory_lock` call, which in turn waits for the builder's lock, and
-/// PostgreSQL resolves that deadlock by aborting one of them.
-///
-/// [`release`](Self::release) unlocks and closes the connection. Dropped without it (an error
-/// path), the connection is closed and the server releases the lock with the session.
+/// transaction and can run `CREATE INDEX CONCURRENTLY` (a `-- no-transaction` migration); see
+/// [`SessionLock`] for how it is waited for and released.
 #[derive(Debug)]
-pub struct SchemaLock {
-    conn: PgConnection,
-    key: i64,
-}
+pub struct SchemaLock(SessionLock);
 
 impl SchemaLock {
     /// Waits until no other session holds the lock of `schema`, then takes it, on a
     /// connection detached from `pool`.
     pub async fn acquire(pool: &PgPool, schema: &SchemaName) -> Result<Self, StoreError> {
-        let mut conn = pool.acquire().await?.detach();
-        let key = lock_key(schema);
-        let started = Instant::now();
-        let mut noticed = false;
-        loop {
-            let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-                .bind(key)
-                .fetch_one(&mut conn)
-                .await?;
-            if locked {
-                return Ok(Self { conn, key });
-            }
-            if !noticed && started.elapsed() >= LOCK_WAIT_NOTICE {
-                noticed = true;
-                tracing::warn!(
-                    schema = %schema,
-                    "still waiting for another instance to finish migrating the schema"
-                );
-            }
-            tokio::time::sleep(LOCK_POLL_INTERVAL).await;
+        let key = advisory_lock::key(&["rabbit-inbox schema lock", schema.as_str()]);
+        let notice = || {
+            tracing::warn!(
+                schema = %schema,
+                "still waiting for another instance to finish migrating the schema"
+            );
+        };
+        match SessionLock::acquire(pool, key, None, notice).await? {
+            Some(lock) => Ok(Self(lock)),
+            None => Err(StoreError::Corrupt(
+                "a lock waited for without limit gave up".into(),
+            )),
         }
     }
 
     /// The connection that holds the lock. Session settings made on it (`search_path`) end
     /// with it: it never returns to the pool.
     pub fn connection(&mut self) -> &mut PgConnection {
-        &mut self.conn
+        self.0.connection()
     }
 
     /// Unlocks and closes the connection.
-    pub async fn release(mut self) -> Result<(), StoreError> {
-        let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
-            .bind(self.key)
-            .execute(&mut self.conn)
-            .await;
-        // Closing ends the session, which releases the lock even if the unlock failed.
-        let closed = self.conn.close().await;
-        unlocked?;
-        closed?;
-        Ok(())
+    pub async fn release(self) -> Result<(), StoreError> {
+        self.0.release().await
     }
-}
-
-/// The advisory lock key of `schema`: the first 8 bytes of a SHA-256 over a fixed prefix and
-/// the name, the same in every process and every version.
-fn lock_key(schema: &SchemaName) -> i64 {
-    use sha2::Digest;
-    let digest = sha2::Sha256::digest(format!("rabbit-inbox schema lock\0{schema}"));
-    let mut key = [0u8; 8];
-    key.copy_from_slice(&digest[..8]);
-    i64::from_be_bytes(key)
 }
 
 /// Creates `schema` if needed and applies the inbox migrations inside it.

@@ -517,20 +517,10 @@ fn record_from_row(row: &sqlx::postgres::PgRow) -> Result<InboxRecord, StoreErro
 }
 
 /// The trace id part of a W3C `traceparent` (`version-traceid-parentid-flags`).
-/// The advisory lock key of a row's copy in flight: the first 8 bytes of
-/// SHA-256(consumer, NUL, message id, NUL, "copy"). A collision only makes a copy wait for a
-/// retry tier once.
+/// The advisory lock key of a row's copy in flight (see [`InboxStore::try_copy_locks`]). A
+/// collision only makes a copy go round a retry tier once.
 pub(crate) fn copy_lock_key(consumer: &str, message_id: &str) -> i64 {
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    for part in [consumer, message_id, "copy"] {
-        h.update(part.as_bytes());
-        h.update([0u8]);
-    }
-    let digest = h.finalize();
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    i64::from_be_bytes(first)
+    crate::advisory_lock::key(&["rabbit-inbox copy", consumer, message_id])
 }
 
 fn trace_id(traceparent: Option<&str>) -> Option<String> {

@@ -288,6 +288,15 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
                 Some(DbErrorClass::Outage) => Outcome::Unrecorded {
                     error: e.to_string(),
                 },
+                // Not the message's fault: requeued, never recorded (see `DbErrorClass`).
+                Some(DbErrorClass::Deployment) => {
+                    let sqlstate = e.deployment_sqlstate().unwrap_or_default().to_owned();
+                    self.recorder
+                        .report_deployment_faults(&[(sqlstate, e.message().to_owned())]);
+                    Outcome::Unrecorded {
+                        error: e.to_string(),
+                    }
+                }
                 _ => self.fail(&lease, msg.envelope, e).await,
             },
             Err(LeaseError::Database(e)) => match DbErrorClass::of(&e) {

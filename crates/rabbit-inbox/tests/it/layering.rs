@@ -16,6 +16,7 @@ const LAYERS: &[&str] = &[
     "json_error",
     "db_error",
     "backoff",
+    "advisory_lock",
     "retry",
     "schema",
     // The state machine's vocabulary.

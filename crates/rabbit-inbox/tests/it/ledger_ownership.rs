@@ -12,6 +12,23 @@ use rabbit_inbox::{
 };
 use serde_json::{Map, json};
 use sqlx::{AssertSqlSafe, PgConnection};
+use tracing_subscriber::{Layer, layer::SubscriberExt};
+
+use crate::session_losses::{Captured, Counters};
+
+/// Installs, for this thread (and so for a consumer on a current-thread runtime), a subscriber
+/// writing the library's INFO and above to the returned capture.
+fn capture_logs() -> (Captured, impl Drop) {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::registry().with(
+        tracing_subscriber::fmt::layer()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .with_filter(tracing_subscriber::EnvFilter::new("rabbit_inbox=info")),
+    );
+    (captured, inbox_testkit::set_scoped_subscriber(subscriber))
+}
 
 /// A copy of `id` whose body is not JSON, with the given type and headers.
 fn not_json(id: Option<&str>, body: &str) -> OutgoingMessage {
@@ -422,6 +439,93 @@ async fn a_missing_table_parks_nothing_and_the_stream_resumes_once_it_exists() {
         ))
         .await;
     assert_eq!(entries, 10);
+    assert_eq!(env.depths(&topology).await.parking, 0);
+    consumer.stop().await;
+}
+
+// One thread: the log subscriber is this thread's, and so the consumer's.
+#[tokio::test]
+async fn failed_messages_are_logged_without_their_bodies_within_the_budget() {
+    let (captured, _logs) = capture_logs();
+    let env = TestEnv::new().await;
+    let mut config = env.config("svc", env.topology("failure-log"));
+    config.telemetry.failure_log_per_minute = 5;
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    let (handler, plan) = env.handler();
+    plan.for_type("Poison", Rule::Permanent);
+    plan.for_id("retry-me", Rule::FailAttempts(1));
+    let consumer = env.start(config, handler);
+    let marked =
+        |id: &str, kind: &str| message(Some(id), kind, &json!({ "id": id, "card": "BODY-MARKER" }));
+    env.publish(&topology, &marked("retry-me", "Thing")).await;
+    env.wait_for_record("svc", "retry-me", "retried and processed", |r| {
+        r.status == InboxStatus::Processed
+    })
+    .await;
+    for n in 0..12 {
+        env.publish(&topology, &marked(&format!("poison-{n}"), "Poison"))
+            .await;
+    }
+    env.take_parked(&topology, 12).await;
+    consumer.stop().await;
+    let text = captured.text();
+    let retry_lines = text.matches("retried after its tier's delay").count();
+    let parked_lines = text.matches("message parked;").count();
+    assert_eq!(retry_lines, 1, "the retry is logged at INFO:\n{text}");
+    assert!(
+        text.contains("message_id=\"retry-me\"") || text.contains("message_id=retry-me"),
+        "{text}"
+    );
+    assert!(text.contains("retry_queue="), "{text}");
+    assert_eq!(
+        retry_lines + parked_lines,
+        5,
+        "five failed-message lines a minute, however many fail:\n{text}"
+    );
+    assert!(text.contains("parked_in="), "{text}");
+    assert!(text.contains("test_permanent"), "{text}");
+    assert!(
+        !text.contains("BODY-MARKER"),
+        "a body reached the log:\n{text}"
+    );
+}
+
+// One thread: the log subscriber and the recorder are this thread's, and so the consumer's.
+#[tokio::test]
+async fn a_deployment_fault_is_an_error_line_and_a_counted_metric() {
+    let (captured, _logs) = capture_logs();
+    let counters = Counters(metrics_util::registry::Registry::atomic());
+    let _metrics = metrics::set_default_local_recorder(&counters);
+    let env = TestEnv::new().await;
+    let config = env.config("svc", env.topology("deployment-log"));
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    let consumer = env.start(config, Ledger(env.schema.as_str().to_owned()));
+    env.publish(&topology, &thing("m", 1)).await;
+    let faults = || {
+        counters.get(
+            rabbit_inbox::telemetry::metrics::DEPLOYMENT_FAULTS,
+            &[("consumer", "svc"), ("sqlstate", "42P01")],
+        )
+    };
+    wait_for("the fault counted", async || faults() >= 1).await;
+    let text = captured.text();
+    let line = text
+        .lines()
+        .find(|l| l.contains("ERROR") && l.contains("deployment fault"))
+        .unwrap_or_else(|| panic!("no deployment fault line:\n{text}"));
+    assert!(line.contains("ERROR"), "{line}");
+    assert!(line.contains("42P01") && line.contains("svc"), "{line}");
+    assert!(
+        line.contains("ledger_entries"),
+        "the line names the table: {line}"
+    );
+    create_ledger_entries(&env).await;
+    env.wait_for_record("svc", "m", "processed once the table exists", |r| {
+        r.status == InboxStatus::Processed
+    })
+    .await;
     assert_eq!(env.depths(&topology).await.parking, 0);
     consumer.stop().await;
 }

@@ -19,10 +19,10 @@ use tracing_subscriber::{Layer, layer::SubscriberExt};
 
 /// Collects what the fmt layer writes.
 #[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
+pub(crate) struct Captured(Arc<Mutex<Vec<u8>>>);
 
 impl Captured {
-    fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap_or_else(PoisonError::into_inner)).into_owned()
     }
 }
@@ -42,7 +42,7 @@ impl Write for Captured {
 }
 
 /// Keeps the counters the consumer records on this thread.
-struct Counters(Registry<Key, AtomicStorage>);
+pub(crate) struct Counters(pub(crate) Registry<Key, AtomicStorage>);
 
 impl Recorder for Counters {
     fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
@@ -64,7 +64,7 @@ impl Recorder for Counters {
 }
 
 impl Counters {
-    fn get(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+    pub(crate) fn get(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
         let labels: Vec<metrics::Label> = labels
             .iter()
             .map(|(k, v)| metrics::Label::new((*k).to_owned(), (*v).to_owned()))
