@@ -1261,36 +1261,11 @@ impl<H: BatchHandler> Processor<H> {
         let mut to_record = Vec::with_capacity(failures.len());
         for (k, f) in failures.iter().enumerate() {
             let envelope = envelope_of(items, f.index);
-            if let Some(row) = row_of(&envelope.message_id)
-                && f.invalid
-                && !same_body(&row.payload_sha256, envelope)
+            if let Some(conflict) =
+                row_of(&envelope.message_id).and_then(|row| self.failure_conflict(row, envelope, f))
             {
-                // An invalid copy under the key of another message (a valid one, or another
-                // invalid body): a payload conflict. Counted on the row, which stays the valid
-                // copy's; the copy is parked with both reasons.
-                notes.push(Redelivery {
-                    message_id: &envelope.message_id,
-                    conflicting_sha256: Some(&envelope.payload_sha256[..]),
-                    duplicate_of: None,
-                });
-                decided.push((
-                    f.index,
-                    Outcome::Parked {
-                        status: row.status,
-                        code: PAYLOAD_CONFLICT.into(),
-                        message: format!(
-                            "message id {} is recorded ({}) with another body (sha256 {}); this \
-                             copy (sha256 {}) is invalid and was not processed ({}: {})",
-                            envelope.message_id,
-                            row.status,
-                            hex::encode(&row.payload_sha256),
-                            hex::encode(envelope.payload_sha256),
-                            f.code,
-                            f.message
-                        ),
-                        attempt: None,
-                    },
-                ));
+                notes.push(conflict.0);
+                decided.push((f.index, conflict.1));
                 continue;
             }
             to_record.push(k);
@@ -1362,8 +1337,17 @@ impl<H: BatchHandler> Processor<H> {
                             .find(&mut *tx, &self.consumer, &envelope.message_id)
                             .await
                             .map_err(FailureTxError::store)?;
-                        match row {
-                            Some(row) if row.status == InboxStatus::Processed => {
+                        // Another body's row, committed while this statement waited for its
+                        // insert (another consumer's copy): a conflict, as above.
+                        let conflict = row
+                            .as_ref()
+                            .and_then(|row| self.failure_conflict(row, envelope, f));
+                        match (row, conflict) {
+                            (_, Some((note, outcome))) => {
+                                notes.push(note);
+                                outcome
+                            }
+                            (Some(row), None) if row.status == InboxStatus::Processed => {
                                 notes.push(Redelivery {
                                     message_id: &envelope.message_id,
                                     conflicting_sha256: None,
@@ -1371,7 +1355,7 @@ impl<H: BatchHandler> Processor<H> {
                                 });
                                 Outcome::Duplicate
                             }
-                            Some(row) if row.status.is_parked() => {
+                            (Some(row), None) if row.status.is_parked() => {
                                 let copy = row.pending_copy(None, chrono::Utc::now());
                                 notes.push(Redelivery {
                                     message_id: &envelope.message_id,
@@ -1402,6 +1386,46 @@ impl<H: BatchHandler> Processor<H> {
         self.hold_copy_locks(&mut decided, items, tx, copy_locks)
             .await?;
         Ok(decided)
+    }
+
+    /// The payload conflict of a failure whose row holds another body: an invalid copy under
+    /// the key of another message (a valid one, or another invalid body), or, when bodies must
+    /// match, another body under a valid message's key. Counted on the row, which stays the
+    /// first body's; the copy is parked with both reasons. `None`: the same body.
+    fn failure_conflict<'e>(
+        &self,
+        row: &InboxRecord,
+        envelope: &'e Envelope,
+        f: &PendingFailure,
+    ) -> Option<(Redelivery<'e>, Outcome)> {
+        if !(f.invalid || self.body_must_match) || same_body(&row.payload_sha256, envelope) {
+            return None;
+        }
+        let note = Redelivery {
+            message_id: &envelope.message_id,
+            conflicting_sha256: Some(&envelope.payload_sha256[..]),
+            duplicate_of: None,
+        };
+        let outcome = if f.invalid {
+            Outcome::Parked {
+                status: row.status,
+                code: PAYLOAD_CONFLICT.into(),
+                message: format!(
+                    "message id {} is recorded ({}) with another body (sha256 {}); this copy \
+                     (sha256 {}) is invalid and was not processed ({}: {})",
+                    envelope.message_id,
+                    row.status,
+                    hex::encode(&row.payload_sha256),
+                    hex::encode(envelope.payload_sha256),
+                    f.code,
+                    f.message
+                ),
+                attempt: None,
+            }
+        } else {
+            payload_conflict(row, envelope)
+        };
+        Some((note, outcome))
     }
 
     /// Takes the copy lock of every row whose copy this transaction decided on (a retry copy,

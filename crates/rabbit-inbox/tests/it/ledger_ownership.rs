@@ -192,6 +192,48 @@ async fn an_invalid_copy_on_another_lane_waits_for_the_valid_message() {
     consumer.stop().await;
 }
 
+/// Across instances: the invalid copy's failure record waits for the valid message's
+/// uncommitted row (another instance is in its handler) and then finds it PROCESSED with
+/// another body: a payload conflict, parked, not a duplicate acked away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_copy_waiting_on_another_instances_claim_is_a_conflict() {
+    let env = TestEnv::new().await;
+    let mut config = env.config("svc", env.topology("instances-conflict"));
+    config.prefetch = 1;
+    config.lanes = 1;
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    let latch = std::sync::Arc::new(inbox_testkit::env::Latch::default());
+    let (handler, plan) = env.handler();
+    plan.for_id("x", Rule::Hold(latch.clone()));
+    let a = env.start(config.clone(), handler.clone());
+    env.publish(&topology, &thing("x", 1)).await;
+    wait_for("the valid message in its handler", async || {
+        latch.arrivals() >= 1
+    })
+    .await;
+    // The first instance's one prefetch slot is taken: the copy goes to the second.
+    let b = env.start(config, handler);
+    env.publish(&topology, &not_json(Some("x"), "{not json"))
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    latch.open();
+    let row = env
+        .wait_for_record("svc", "x", "processed, the conflict counted", |r| {
+            r.status == InboxStatus::Processed && r.payload_conflicts == 1
+        })
+        .await;
+    assert_eq!(row.delivery_count, 2);
+    assert_eq!(env.effects("x").await, 1);
+    let parked = env.take_parked(&topology, 1).await;
+    assert_eq!(
+        inbox_testkit::env::header(&parked[0], "x-inbox-error-code"),
+        Some(PAYLOAD_CONFLICT)
+    );
+    a.stop().await;
+    b.stop().await;
+}
+
 /// Twenty failing messages, each published twice back to back: one parked copy per row, the
 /// second delivery counted as its duplicate. Queued before the consumer starts (pairs in one
 /// batch) and again while it runs (pairs in one batch or across batches).
