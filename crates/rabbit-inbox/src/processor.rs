@@ -73,7 +73,7 @@ impl LaneConnection {
     }
 
     /// The flag a statement sets when it takes copy locks on this connection.
-    fn copy_lock_flag(&self) -> Arc<AtomicBool> {
+    pub(crate) fn copy_lock_flag(&self) -> Arc<AtomicBool> {
         self.copy_locks.clone()
     }
 

@@ -158,8 +158,9 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
         envelope: &Envelope,
         db: &mut LaneConnection,
     ) -> Result<Claimed, StoreError> {
+        let copy_locks = db.copy_lock_flag();
         let mut tx = db.begin().await?;
-        let claimed = self.claim_in(&mut tx, envelope).await;
+        let claimed = self.claim_in(&mut tx, envelope, &copy_locks).await;
         match claimed {
             Ok(claimed) => {
                 tx.commit().await?;
@@ -176,6 +177,7 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
         &self,
         tx: &mut PgConnection,
         envelope: &Envelope,
+        copy_locks: &std::sync::atomic::AtomicBool,
     ) -> Result<Claimed, StoreError> {
         // The body is kept from the claim on (unless never kept): a lease that expires leaves
         // a PROCESSING row recovery may have to republish.
@@ -236,7 +238,20 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
         }
         Ok(match record.status {
             InboxStatus::Processed => Claimed::Decided(Outcome::Duplicate),
-            status if status.is_parked() => Claimed::Decided(parked_again(&record)),
+            // Parked, no copy noted: park this copy, unless another session's copy of the row
+            // is on its way (its copy lock held), as in the transactional processor.
+            status if status.is_parked() => {
+                let mine = self
+                    .store
+                    .try_copy_locks(&mut *tx, &self.consumer, &[&envelope.message_id])
+                    .await?;
+                if mine.first() == Some(&true) {
+                    copy_locks.store(true, std::sync::atomic::Ordering::Relaxed);
+                    Claimed::Decided(parked_again(&record))
+                } else {
+                    Claimed::Decided(Outcome::InFlightElsewhere)
+                }
+            }
             // RETRYABLE_FAILED, or PROCESSING: taken only if its lease expired.
             _ => take(tx, false)
                 .await?
