@@ -526,10 +526,18 @@ async function showMessage(consumer, id) {
     if (row.lease_owner) {
       field("lease", `${row.lease_owner}, token ${row.fencing_token}, expires ${when(row.lease_expires_at)}`);
     }
-    field("last failed", when(row.last_failed_at));
-    field("error code", row.last_error_code);
-    field("error", report.payload_hidden ? "(hidden: needs the read:payload scope)"
-      : row.last_error_message);
+    const errorText = report.payload_hidden ? "(hidden: needs the read:payload scope)"
+      : row.last_error_message;
+    if (row.status === "PROCESSED" && row.last_error_code) {
+      // A past failure (the row was retried, redriven or reopened and then processed), told
+      // as past, as `inboxctl show` does: nothing here is failing now.
+      field("last failure before it was processed",
+        `${row.last_error_code} ${when(row.last_failed_at)}: ${errorText || ""}`);
+    } else {
+      field("last failed", when(row.last_failed_at));
+      field("error code", row.last_error_code);
+      field("error", errorText);
+    }
     field("aggregate", [row.aggregate_type, row.aggregate_id].filter(Boolean).join(" "));
     field("tenant", row.tenant_id);
     field("correlation id", row.correlation_id);
