@@ -571,3 +571,89 @@ async fn a_deployment_fault_is_an_error_line_and_a_counted_metric() {
     assert_eq!(env.depths(&topology).await.parking, 0);
     consumer.stop().await;
 }
+
+/// A missing privilege (SQLSTATE 42501) is a deployment fault too: the handler's role may not
+/// write its table, nothing is parked, and the grant lets the stream through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_grant_parks_nothing_and_the_stream_resumes_once_granted() {
+    #[derive(Clone)]
+    struct AsRole {
+        schema: String,
+        role: String,
+    }
+    impl Handler for AsRole {
+        async fn handle(
+            &self,
+            msg: &InboxMessage<'_>,
+            tx: &mut PgConnection,
+        ) -> Result<(), HandlerError> {
+            // The business write under a role of its own, as a service whose grants are
+            // per table would run it.
+            sqlx::raw_sql(AssertSqlSafe(format!("SET LOCAL ROLE \"{}\"", self.role)))
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO \"{}\".ledger_entries (message_id) VALUES ($1)",
+                self.schema
+            )))
+            .bind(msg.message_id())
+            .execute(&mut *tx)
+            .await?;
+            // The inbox's own statements run as the service's role again (a rollback undoes
+            // SET LOCAL by itself).
+            sqlx::raw_sql("RESET ROLE").execute(&mut *tx).await?;
+            Ok(())
+        }
+    }
+    let env = TestEnv::new().await;
+    create_ledger_entries(&env).await;
+    let role = format!("t_writer_{}", env.id);
+    let schema = env.schema.as_str().to_owned();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE ROLE \"{role}\" NOLOGIN; GRANT USAGE ON SCHEMA \"{schema}\" TO \"{role}\""
+    )))
+    .execute(&env.pool)
+    .await
+    .expect("a role without the table's grant");
+    let config = env.config("svc", env.topology("grant"));
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    let consumer = env.start(
+        config,
+        AsRole {
+            schema: schema.clone(),
+            role: role.clone(),
+        },
+    );
+    for n in 0..3 {
+        env.publish(&topology, &thing(&format!("g-{n}"), n)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rows = env
+        .scalar(&format!("SELECT count(*) FROM \"{schema}\".message_inbox"))
+        .await;
+    assert_eq!(rows, 0, "nothing recorded against the messages");
+    assert_eq!(env.depths(&topology).await.parking, 0, "nothing parked");
+
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "GRANT INSERT ON \"{schema}\".ledger_entries TO \"{role}\""
+    )))
+    .execute(&env.pool)
+    .await
+    .expect("the grant");
+    for n in 0..3 {
+        env.wait_for_record("svc", &format!("g-{n}"), "processed once granted", |r| {
+            r.status == InboxStatus::Processed && r.processing_attempt == 1
+        })
+        .await;
+    }
+    consumer.stop().await;
+    // Roles belong to the cluster, not the test's schema.
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "REVOKE ALL ON ALL TABLES IN SCHEMA \"{schema}\" FROM \"{role}\"; \
+         REVOKE USAGE ON SCHEMA \"{schema}\" FROM \"{role}\"; DROP ROLE \"{role}\""
+    )))
+    .execute(&env.pool)
+    .await
+    .expect("the role is dropped");
+}
