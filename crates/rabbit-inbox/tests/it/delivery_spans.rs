@@ -2,16 +2,12 @@
 //! identifiers and its outcome, and is exported through OpenTelemetry (an in-memory exporter
 //! here); the library's logs never print a body, whatever happens to the message.
 
-use std::{
-    io::Write,
-    sync::{Arc, Mutex, PoisonError},
-};
-
 use inbox_testkit::env::{TestEnv, thing};
 use rabbit_inbox::{BatchError, BatchHandler, Handler, HandlerError, InboxMessage};
 use serde_json::json;
 use sqlx::PgConnection;
-use tracing_subscriber::{Layer as _, layer::SubscriberExt as _};
+
+use crate::capture::capture_logs;
 
 /// Spans exported to memory, for this test's thread (its runtime is single-threaded, so every
 /// task of the test sees the subscriber) until the guard drops.
@@ -22,6 +18,7 @@ fn spans_in_memory() -> (
 ) {
     use opentelemetry::trace::TracerProvider as _;
     use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+    use tracing_subscriber::layer::SubscriberExt as _;
 
     let exporter = InMemorySpanExporter::default();
     let provider = SdkTracerProvider::builder()
@@ -133,30 +130,6 @@ async fn a_delivery_span_is_a_child_of_the_producers_trace() {
     );
 }
 
-/// Collects what the fmt layer writes.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(PoisonError::into_inner)).into_owned()
-    }
-}
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// Decodes the card number as a number: a string there makes serde's error quote it.
 struct Cards;
 
@@ -196,15 +169,7 @@ const SECRET: &str = "4111-SECRET-1111";
 
 #[tokio::test]
 async fn the_librarys_logs_never_print_a_body() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::registry().with(
-        tracing_subscriber::fmt::layer()
-            .with_writer(move || writer.clone())
-            .with_ansi(false)
-            .with_filter(tracing_subscriber::EnvFilter::new("rabbit_inbox=trace")),
-    );
-    let _guard = inbox_testkit::set_scoped_subscriber(subscriber);
+    let (captured, _guard) = capture_logs("rabbit_inbox=trace");
 
     let env = TestEnv::new().await;
     let config = env.config("cards", env.topology("cards"));

@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use crate::capture::{Counters, capture_logs};
 use inbox_testkit::env::{Rule, TestEnv, lane_of, message, thing, wait_for};
 use rabbit_inbox::{
     Handler, HandlerError, InboxMessage, InboxStatus, broker::OutgoingMessage,
@@ -12,23 +13,6 @@ use rabbit_inbox::{
 };
 use serde_json::{Map, json};
 use sqlx::{AssertSqlSafe, PgConnection};
-use tracing_subscriber::{Layer, layer::SubscriberExt};
-
-use crate::session_losses::{Captured, Counters};
-
-/// Installs, for this thread (and so for a consumer on a current-thread runtime), a subscriber
-/// writing the library's INFO and above to the returned capture.
-fn capture_logs() -> (Captured, impl Drop) {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::registry().with(
-        tracing_subscriber::fmt::layer()
-            .with_writer(move || writer.clone())
-            .with_ansi(false)
-            .with_filter(tracing_subscriber::EnvFilter::new("rabbit_inbox=info")),
-    );
-    (captured, inbox_testkit::set_scoped_subscriber(subscriber))
-}
 
 /// A copy of `id` whose body is not JSON, with the given type and headers.
 fn not_json(id: Option<&str>, body: &str) -> OutgoingMessage {
@@ -488,7 +472,7 @@ async fn a_missing_table_parks_nothing_and_the_stream_resumes_once_it_exists() {
 // One thread: the log subscriber is this thread's, and so the consumer's.
 #[tokio::test]
 async fn failed_messages_are_logged_without_their_bodies_within_the_budget() {
-    let (captured, _logs) = capture_logs();
+    let (captured, _logs) = capture_logs("rabbit_inbox=info");
     let env = TestEnv::new().await;
     let mut config = env.config("svc", env.topology("failure-log"));
     config.telemetry.failure_log_per_minute = 5;
@@ -536,7 +520,7 @@ async fn failed_messages_are_logged_without_their_bodies_within_the_budget() {
 // One thread: the log subscriber and the recorder are this thread's, and so the consumer's.
 #[tokio::test]
 async fn a_deployment_fault_is_an_error_line_and_a_counted_metric() {
-    let (captured, _logs) = capture_logs();
+    let (captured, _logs) = capture_logs("rabbit_inbox=info");
     let counters = Counters(metrics_util::registry::Registry::atomic());
     let _metrics = metrics::set_default_local_recorder(&counters);
     let env = TestEnv::new().await;

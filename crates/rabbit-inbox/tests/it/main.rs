@@ -5,6 +5,7 @@
 mod raw_amqp;
 
 mod broker_hardening;
+mod capture;
 mod cluster;
 mod copies;
 mod deep_headers;
