@@ -617,21 +617,8 @@ async fn repeated_failed_authentications_from_one_address_are_slowed() {
         assert_eq!(app.get(status, None).await.0, StatusCode::UNAUTHORIZED);
     }
     assert_eq!(app.get(status, Some(READ_TOKEN)).await.0, StatusCode::OK);
-    for n in 0..inbox_admin::MAX_FAILURES {
-        let guess = format!("{:032x}", u128::from(n) + 1);
-        assert_eq!(
-            app.get(status, Some(&guess)).await.0,
-            StatusCode::UNAUTHORIZED
-        );
-    }
     // The next failed attempt is refused; a valid token from the same address still passes.
-    let request = app
-        .request("GET", status, Some(&format!("{:032x}", 99)))
-        .body(Body::empty())
-        .expect("a request");
-    let response = app.send(request).await;
-    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert!(response.headers().get("retry-after").is_some());
+    guess_until_throttled(&app, status).await;
     assert_eq!(app.get(status, Some(READ_TOKEN)).await.0, StatusCode::OK);
     // Other servers (other counters) and probes are unaffected.
     assert_eq!(app.get("/healthz", None).await.0, StatusCode::OK);
@@ -698,20 +685,7 @@ async fn a_valid_token_passes_where_failed_guesses_from_its_address_are_throttle
     let app = fx.app(util::tokens());
     let status = "/api/v1/status";
     // One client behind a shared address guesses until it is throttled...
-    for n in 0..inbox_admin::MAX_FAILURES {
-        let guess = format!("{:032x}", u128::from(n) + 1);
-        assert_eq!(
-            app.get(status, Some(&guess)).await.0,
-            StatusCode::UNAUTHORIZED
-        );
-    }
-    let request = app
-        .request("GET", status, Some(&format!("{:032x}", 99)))
-        .body(Body::empty())
-        .expect("a request");
-    let response = app.send(request).await;
-    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert!(response.headers().get("retry-after").is_some());
+    guess_until_throttled(&app, status).await;
     // ...and everyone else at that address with a valid token is still served.
     assert_eq!(app.get(status, Some(READ_TOKEN)).await.0, StatusCode::OK);
     let (code, _) = app
@@ -949,4 +923,23 @@ async fn a_schema_without_an_inbox_is_named_in_the_error() {
             assert!(!text.contains(leak), "{leak:?} in {body}");
         }
     }
+}
+
+/// Fails authentication from the test's address until the throttle refuses it: the budget of
+/// guesses answered 401, then a 429 with `Retry-After`.
+async fn guess_until_throttled(app: &util::InProcess, path: &str) {
+    for n in 0..inbox_admin::MAX_FAILURES {
+        let guess = format!("{:032x}", u128::from(n) + 1);
+        assert_eq!(
+            app.get(path, Some(&guess)).await.0,
+            StatusCode::UNAUTHORIZED
+        );
+    }
+    let request = app
+        .request("GET", path, Some(&format!("{:032x}", 99)))
+        .body(Body::empty())
+        .expect("a request");
+    let response = app.send(request).await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(response.headers().get("retry-after").is_some());
 }
