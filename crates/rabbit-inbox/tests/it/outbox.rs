@@ -385,20 +385,24 @@ async fn a_returned_message_is_a_failure_and_is_published_once_routable() {
     config.max_attempts = 3;
     let relay = RunningRelay::start(&env, config);
 
-    wait_for("a return of the unroutable message", async || {
-        relay.stats.snapshot().returned >= 1
+    // The relay counts the return before it records it on the row: wait for the row.
+    let all_statuses = [
+        OutboxStatus::Pending,
+        OutboxStatus::Failed,
+        OutboxStatus::Sent,
+    ];
+    wait_for("the unroutable message's return on its row", async || {
+        let all = store
+            .list(&mut conn, &all_statuses, 10)
+            .await
+            .expect("list");
+        all.iter()
+            .any(|r| r.message_id == "unroutable" && r.last_error_code.is_some())
     })
     .await;
+    assert!(relay.stats.snapshot().returned >= 1);
     let all = store
-        .list(
-            &mut conn,
-            &[
-                OutboxStatus::Pending,
-                OutboxStatus::Failed,
-                OutboxStatus::Sent,
-            ],
-            10,
-        )
+        .list(&mut conn, &all_statuses, 10)
         .await
         .expect("list");
     let row = all
