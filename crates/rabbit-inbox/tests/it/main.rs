@@ -5,6 +5,7 @@
 mod raw_amqp;
 
 mod broker_hardening;
+mod business_tables;
 mod capture;
 mod cluster;
 mod copies;
