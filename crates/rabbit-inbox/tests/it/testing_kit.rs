@@ -55,10 +55,55 @@ impl Handler for Bookkeeper {
     }
 }
 
-async fn scratch() -> ScratchSchema {
+/// A test's [`ScratchSchema`], removed by [`Scratch::remove`] at its end, or on drop when the
+/// test panics before (from a thread with a runtime and a connection of its own, since the
+/// test's runtime is unwinding).
+struct Scratch(Option<ScratchSchema>);
+
+impl std::ops::Deref for Scratch {
+    type Target = ScratchSchema;
+    fn deref(&self) -> &ScratchSchema {
+        self.0.as_ref().expect("not removed yet")
+    }
+}
+
+impl Scratch {
+    async fn remove(mut self) {
+        if let Some(scratch) = self.0.take() {
+            scratch.remove().await.expect("scratch schema dropped");
+        }
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let Some(scratch) = self.0.take() else { return };
+        let name = scratch.name().clone();
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime for the cleanup");
+            runtime.block_on(async {
+                let pool = sqlx::PgPool::connect(&inbox_testkit::database_url())
+                    .await
+                    .expect("PostgreSQL is reachable");
+                if let Err(e) = rabbit_inbox::schema::drop_schema(&pool, &name).await {
+                    eprintln!("cleanup: dropping schema {name}: {e}");
+                }
+                pool.close().await;
+            });
+        })
+        .join();
+    }
+}
+
+async fn scratch() -> Scratch {
     let scratch = ScratchSchema::create(&inbox_testkit::database_url())
         .await
         .expect("the scratch schema is created and migrated");
+    // Armed before anything else can fail.
+    let scratch = Scratch(Some(scratch));
     scratch
         .execute(
             "CREATE TABLE entries (message_id TEXT NOT NULL, amount BIGINT NOT NULL, \
@@ -126,7 +171,7 @@ async fn processed_then_duplicate() {
         again.record.as_ref()
     );
     drop(kit);
-    scratch.remove().await.expect("scratch schema dropped");
+    scratch.remove().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -208,7 +253,7 @@ async fn retryable_failure_schedules_a_retry_whose_copy_runs_the_next_attempt() 
             .expect("entries");
     assert_eq!(attempts, [2]);
     drop(kit);
-    scratch.remove().await.expect("scratch schema dropped");
+    scratch.remove().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -245,7 +290,7 @@ async fn spent_retries_poison_and_park_the_message() {
     assert_eq!(record.processing_attempt, 2);
     assert!(record.parked_copy_at.is_some(), "the parked copy is noted");
     drop(kit);
-    scratch.remove().await.expect("scratch schema dropped");
+    scratch.remove().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -289,7 +334,7 @@ async fn permanent_failure_is_parked_once_and_later_copies_are_its_duplicates() 
     assert_eq!(row(&again).delivery_count, 2);
     assert_eq!(row(&again).processing_attempt, 1, "the handler did not run");
     drop(kit);
-    scratch.remove().await.expect("scratch schema dropped");
+    scratch.remove().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -349,7 +394,7 @@ async fn invalid_messages_are_recorded_and_parked_without_the_handler() {
     assert_eq!(handled, 0, "no invalid message reached the handler");
     assert_eq!(kit.stats().parked, 3);
     drop(kit);
-    scratch.remove().await.expect("scratch schema dropped");
+    scratch.remove().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -372,7 +417,7 @@ async fn a_batch_reports_each_message_and_holds_a_second_copy_for_the_next_batch
     let id = ok.message_id().expect("id");
     assert_eq!(entries(&scratch, id).await, 1);
     drop(kit);
-    scratch.remove().await.expect("scratch schema dropped");
+    scratch.remove().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -394,7 +439,7 @@ async fn a_schema_without_the_inbox_is_requeued_as_a_deployment_fault() {
     assert_eq!(delivered.broker_action, BrokerAction::Requeue);
     assert!(delivered.record.is_none());
     drop(kit);
-    scratch.remove().await.expect("scratch schema dropped");
+    scratch.remove().await;
 }
 
 /// What the two paths must agree on; timestamps differ by when each ran.
