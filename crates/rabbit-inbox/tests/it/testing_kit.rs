@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-use inbox_testkit::env::{Rule, TestEnv, message, thing};
+use inbox_testkit::env::{BatchRule, Rule, TestEnv, message, thing};
 use rabbit_inbox::{
-    ConsumerConfig, Handler, HandlerError, InboxMessage, InboxStatus, Outcome, Topology,
+    ConsumerConfig, ErrorKind, Handler, HandlerError, InboxMessage, InboxStatus, Outcome, Topology,
     broker::OutgoingMessage,
     status::{ConfirmedCopyKind, PendingCopy},
     store::InboxRecord,
@@ -418,6 +418,40 @@ async fn a_batch_reports_each_message_and_holds_a_second_copy_for_the_next_batch
     assert_eq!(entries(&scratch, id).await, 1);
     drop(kit);
     scratch.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_handler_gets_the_batch_at_once_and_a_blamed_message_fails_alone() {
+    let env = TestEnv::new().await;
+    let mut config = env.config("batch", env.topology("kit-batch"));
+    config.batch_size = 3;
+    let (handler, plan) = env.batch_handler();
+    plan.for_id("b2", BatchRule::Blame(ErrorKind::Permanent));
+    let kit = TestConsumer::with_batch_handler(env.pool.clone(), config, handler).expect("valid");
+    let messages = ["b1", "b2", "b3", "b4"].map(|id| as_test_message(&thing(id, 1)));
+    let delivered = kit.deliver_batch(messages).await.expect("delivered");
+    let statuses: Vec<Option<InboxStatus>> = delivered.iter().map(|d| d.status()).collect();
+    assert_eq!(
+        statuses,
+        [
+            Some(InboxStatus::Processed),
+            Some(InboxStatus::PermanentFailed),
+            Some(InboxStatus::Processed),
+            Some(InboxStatus::Processed)
+        ]
+    );
+    assert!(matches!(
+        &delivered[1].broker_action,
+        BrokerAction::Park { code, .. } if code == "test_blamed"
+    ));
+    // One call per batch of `batch_size`, then the failed batch again without the blamed one.
+    assert_eq!(
+        plan.calls(),
+        [vec!["b1", "b2", "b3"], vec!["b1", "b3"], vec!["b4"]]
+    );
+    for (id, effects) in [("b1", 1), ("b2", 0), ("b3", 1), ("b4", 1)] {
+        assert_eq!(env.effects(id).await, effects, "effects of {id}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
