@@ -32,3 +32,6 @@ pub mod security {}
 
 #[doc = include_str!("../../../docs/observability.md")]
 pub mod observability {}
+
+#[doc = include_str!("../../../docs/testing.md")]
+pub mod testing {}

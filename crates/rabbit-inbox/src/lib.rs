@@ -78,6 +78,8 @@ pub mod outbox;
 mod processor;
 
 mod consumer;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 // Beside the runtime.
 mod runner;

@@ -110,6 +110,13 @@ impl LaneConnection {
         }
     }
 
+    /// The lane's connection outside any transaction, for reads between batches (its
+    /// transactions default to read-only).
+    #[cfg(feature = "testing")]
+    pub(crate) async fn connection(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
+        self.get().await
+    }
+
     /// Begins a read-write transaction on the lane's connection.
     pub(crate) async fn begin(&mut self) -> Result<sqlx::Transaction<'_, Postgres>, sqlx::Error> {
         self.get().await?.begin_with("BEGIN READ WRITE").await

@@ -42,6 +42,8 @@ const LAYERS: &[&str] = &[
     "lease",
     "fault",
     "consumer",
+    // The consumer's path without a broker, for applications' handler tests.
+    "testing",
     // Beside the runtime, never inside it.
     "runner",
     "sampler",
@@ -51,12 +53,14 @@ const LAYERS: &[&str] = &[
 
 /// Pairs that the order alone would allow but the architecture does not: the processor and
 /// leased processing turn batches into durable outcomes without speaking to the broker (only
-/// the settler acts on outcomes), and background work is run beside the runtime, not by it.
+/// the settler acts on outcomes), background work is run beside the runtime, not by it, and
+/// the test kit reports broker actions as data without a broker.
 const FORBIDDEN: &[(&str, &str)] = &[
     ("processor", "broker"),
     ("lease", "broker"),
     ("consumer", "sampler"),
     ("consumer", "runner"),
+    ("testing", "broker"),
 ];
 
 /// Modules named by `crate::<name>` in `source`, outside comments and the unit tests.

@@ -24,4 +24,7 @@ mod oversized_frames;
 mod privacy;
 mod session_losses;
 mod simultaneous_migrate;
+// The handler test kit exists only with its feature (`--all-features`, as the tests run).
+#[cfg(feature = "testing")]
+mod testing_kit;
 mod tls;
