@@ -9,7 +9,7 @@ use std::time::Duration;
 use crate::{
     broker::{QueueType, Topology},
     dedup::DedupStrategy,
-    envelope::{EnvelopeRules, FieldLimits},
+    envelope::{EnvelopeRules, FieldLimits, MessageTypes},
     error::ConfigError,
     privacy::{PayloadPrivacy, PayloadStorage},
     retry::RetryPolicy,
@@ -94,6 +94,87 @@ impl ConsumerConfig {
             telemetry: TelemetryConfig::default(),
             outbox_notify: true,
         }
+    }
+
+    /// Takes in the message types a handler declares (see
+    /// [`crate::Handler::message_types`]); the consumer calls this before [`Self::validate`].
+    /// Every declared type must be able to reach the handler: a name within
+    /// `envelope.field_limits.message_type`, listed versions within
+    /// `envelope.supported_versions`. When the handler refuses other types
+    /// (`refuses_other_types`), `envelope.accepted_types` becomes its types, or, if set, must
+    /// be the same; otherwise a set `envelope.accepted_types` must name only declared types
+    /// (an accepted type without a handler would be parked for every message).
+    pub fn adopt_message_types(
+        &mut self,
+        declared: Option<MessageTypes>,
+        refuses_other_types: bool,
+    ) -> Result<(), ConfigError> {
+        let Some(declared) = declared else {
+            return Ok(());
+        };
+        let invalid = |name, reason: String| Err(ConfigError::InvalidSetting { name, reason });
+        let rules = &self.envelope;
+        for (message_type, versions) in declared.iter() {
+            if message_type.len() > rules.field_limits.message_type {
+                return invalid(
+                    "envelope.field_limits.message_type",
+                    format!(
+                        "the handler takes message type {message_type:?} ({} bytes), longer than \
+                         the limit of {}: such messages are refused as field_too_long; raise \
+                         the limit or rename the type",
+                        message_type.len(),
+                        rules.field_limits.message_type
+                    ),
+                );
+            }
+            let supported = &rules.supported_versions;
+            if let Some(v) = versions
+                .into_iter()
+                .flatten()
+                .find(|v| !supported.contains(v))
+            {
+                return invalid(
+                    "envelope.supported_versions",
+                    format!(
+                        "the handler takes {message_type:?} version {v}, outside the supported \
+                         versions {}..={}: such messages are refused as unsupported_version; \
+                         widen supported_versions or drop the route",
+                        supported.start(),
+                        supported.end()
+                    ),
+                );
+            }
+        }
+        match &rules.accepted_types {
+            None if refuses_other_types => self.envelope.accepted_types = Some(declared),
+            None => {}
+            Some(accepted) if refuses_other_types && *accepted != declared => {
+                return invalid(
+                    "envelope.accepted_types",
+                    format!(
+                        "the consumer accepts {accepted} but the handler takes exactly \
+                         {declared}; leave accepted_types unset to take the handler's"
+                    ),
+                );
+            }
+            Some(accepted) => {
+                let unhandled = accepted.iter().find(|(t, versions)| match versions {
+                    None => !declared.iter().any(|(d, dv)| d == *t && dv.is_none()),
+                    Some(vs) => vs.iter().any(|v| !declared.contains(t, *v)),
+                });
+                if let Some((message_type, _)) = unhandled {
+                    return invalid(
+                        "envelope.accepted_types",
+                        format!(
+                            "the consumer accepts {message_type:?} (in {accepted}) but the \
+                             handler takes only {declared}: those messages would be parked \
+                             as unknown_message_type; route the type or stop accepting it"
+                        ),
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Checks every setting; the consumer calls this before connecting.

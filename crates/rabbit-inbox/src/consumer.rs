@@ -88,13 +88,17 @@ impl<H: Handler> Consumer<PerMessage<H>> {
 
 impl<H: BatchHandler> Consumer<H> {
     /// Like [`Consumer::new`], with a handler that gets each batch's new messages at once, for
-    /// set-based business writes.
+    /// set-based business writes. Takes in the message types the handler declares (see
+    /// [`ConsumerConfig::adopt_message_types`]).
     pub fn with_batch_handler(
         amqp_url: impl Into<String>,
         pool: PgPool,
-        config: ConsumerConfig,
+        mut config: ConsumerConfig,
         handler: H,
     ) -> Result<Self, ConfigError> {
+        // A router's types: unreachable routes fail here, a closed router's unknown types are
+        // refused when a delivery is parsed.
+        config.adopt_message_types(handler.message_types(), handler.refuses_other_types())?;
         config.validate()?;
         let processor = {
             let (pool, config) = (pool.clone(), config.clone());

@@ -6,7 +6,11 @@
 //! producer controls that the inbox stores is bounded ([`FieldLimits`]), and an invalid
 //! message's envelope is cut down to those bounds, so that its failure can always be recorded.
 
-use std::ops::RangeInclusive;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    ops::RangeInclusive,
+};
 
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
@@ -14,6 +18,7 @@ use sha2::{Digest, Sha256};
 use crate::{
     canonical_json::canonical_sha256,
     dedup::{DedupStrategy, KeyError},
+    status::UNKNOWN_MESSAGE_TYPE,
 };
 
 /// Most levels of field tables and arrays a header value may nest, the headers table itself
@@ -76,6 +81,11 @@ pub struct EnvelopeRules {
     pub field_limits: FieldLimits,
     /// How the body hash that detects payload conflicts is computed.
     pub body_hash: BodyHash,
+    /// The message types (and versions) this consumer accepts; any other is invalid
+    /// ([`InvalidReason::UnknownMessageType`]) and parked before a handler sees it. `None`
+    /// accepts every type and leaves the decision to the handler. A consumer whose handler is
+    /// a closed [`crate::router::Router`] sets it from the router's routes.
+    pub accepted_types: Option<MessageTypes>,
 }
 
 impl Default for EnvelopeRules {
@@ -86,7 +96,99 @@ impl Default for EnvelopeRules {
             supported_versions: 1..=1,
             field_limits: FieldLimits::default(),
             body_hash: BodyHash::default(),
+            accepted_types: None,
         }
+    }
+}
+
+/// A set of message types, each with the versions it covers: some listed versions, or every
+/// version ([`EnvelopeRules::supported_versions`] still bounds them).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MessageTypes {
+    /// `None`: every version.
+    types: BTreeMap<String, Option<BTreeSet<i32>>>,
+}
+
+impl MessageTypes {
+    /// Most types, and versions of one type, that [`MessageTypes`]'s `Display` lists: it ends
+    /// up in stored error details, which must stay short.
+    const LISTED: usize = 16;
+
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds every version of `message_type`.
+    #[must_use]
+    pub fn with_type(mut self, message_type: impl Into<String>) -> Self {
+        self.insert(message_type.into(), None);
+        self
+    }
+
+    /// Adds `version` of `message_type`.
+    #[must_use]
+    pub fn with_version(mut self, message_type: impl Into<String>, version: i32) -> Self {
+        self.insert(message_type.into(), Some(version));
+        self
+    }
+
+    /// Adds `version` of `message_type`, or every version for `None`.
+    pub fn insert(&mut self, message_type: String, version: Option<i32>) {
+        match (self.types.entry(message_type).or_default(), version) {
+            // Every version already.
+            (None, _) => {}
+            (any @ Some(_), None) => *any = None,
+            (Some(versions), Some(v)) => {
+                versions.insert(v);
+            }
+        }
+    }
+
+    /// Whether `version` of `message_type` is in the set.
+    pub fn contains(&self, message_type: &str, version: i32) -> bool {
+        match self.types.get(message_type) {
+            None => false,
+            Some(None) => true,
+            Some(Some(versions)) => versions.contains(&version),
+        }
+    }
+
+    /// Whether the set holds no type.
+    pub fn is_empty(&self) -> bool {
+        self.types.is_empty()
+    }
+
+    /// Each type with its versions (`None`: every version), by name.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, Option<&BTreeSet<i32>>)> {
+        self.types.iter().map(|(t, v)| (t.as_str(), v.as_ref()))
+    }
+}
+
+/// `A, B v1/v2`: the first [`MessageTypes::LISTED`] types, then how many more.
+impl fmt::Display for MessageTypes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.types.is_empty() {
+            return f.write_str("none");
+        }
+        for (i, (name, versions)) in self.types.iter().take(Self::LISTED).enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            f.write_str(name)?;
+            if let Some(versions) = versions {
+                for (j, v) in versions.iter().take(Self::LISTED).enumerate() {
+                    write!(f, "{}v{v}", if j == 0 { " " } else { "/" })?;
+                }
+                if versions.len() > Self::LISTED {
+                    write!(f, "/..")?;
+                }
+            }
+        }
+        if self.types.len() > Self::LISTED {
+            write!(f, " and {} more", self.types.len() - Self::LISTED)?;
+        }
+        Ok(())
     }
 }
 
@@ -228,6 +330,8 @@ pub enum InvalidReason {
     HeadersTooLarge,
     /// A header nests field tables or arrays deeper than [`MAX_HEADER_DEPTH`].
     HeadersTooDeep,
+    /// The message type (or this version of it) is not in [`EnvelopeRules::accepted_types`].
+    UnknownMessageType,
 }
 
 impl InvalidReason {
@@ -244,6 +348,7 @@ impl InvalidReason {
             InvalidReason::FieldTooLong => "field_too_long",
             InvalidReason::HeadersTooLarge => "headers_too_large",
             InvalidReason::HeadersTooDeep => "headers_too_deep",
+            InvalidReason::UnknownMessageType => UNKNOWN_MESSAGE_TYPE,
         }
     }
 }
@@ -403,6 +508,22 @@ fn classify(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<Inv
         Err(detail) => {
             return Err(keep_key(envelope, InvalidReason::MalformedVersion, detail));
         }
+    }
+
+    if let Some(accepted) = &rules.accepted_types
+        && !accepted.contains(&envelope.message_type, envelope.message_version)
+    {
+        // The type is within its field limit (checked above) and stored in its own column
+        // anyway, so the detail may name it.
+        let detail = format!(
+            "message type {:?} version {} is not one this consumer accepts (accepted: {accepted})",
+            envelope.message_type, envelope.message_version
+        );
+        return Err(keep_key(
+            envelope,
+            InvalidReason::UnknownMessageType,
+            detail,
+        ));
     }
 
     match payload {
