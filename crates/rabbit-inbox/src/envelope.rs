@@ -103,10 +103,17 @@ impl Default for EnvelopeRules {
 
 /// A set of message types, each with the versions it covers: some listed versions, or every
 /// version ([`EnvelopeRules::supported_versions`] still bounds them).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 pub struct MessageTypes {
-    /// `None`: every version.
-    types: BTreeMap<String, Option<BTreeSet<i32>>>,
+    types: BTreeMap<String, Versions>,
+}
+
+/// The versions of one type in a [`MessageTypes`]. Listed versions are kept beside `every`:
+/// a version with a handler of its own must still be one the consumer supports.
+#[derive(Clone, Debug, Default)]
+struct Versions {
+    every: bool,
+    listed: BTreeSet<i32>,
 }
 
 impl MessageTypes {
@@ -135,23 +142,20 @@ impl MessageTypes {
 
     /// Adds `version` of `message_type`, or every version for `None`.
     pub fn insert(&mut self, message_type: String, version: Option<i32>) {
-        match (self.types.entry(message_type).or_default(), version) {
-            // Every version already.
-            (None, _) => {}
-            (any @ Some(_), None) => *any = None,
-            (Some(versions), Some(v)) => {
-                versions.insert(v);
+        let versions = self.types.entry(message_type).or_default();
+        match version {
+            None => versions.every = true,
+            Some(v) => {
+                versions.listed.insert(v);
             }
         }
     }
 
     /// Whether `version` of `message_type` is in the set.
     pub fn contains(&self, message_type: &str, version: i32) -> bool {
-        match self.types.get(message_type) {
-            None => false,
-            Some(None) => true,
-            Some(Some(versions)) => versions.contains(&version),
-        }
+        self.types
+            .get(message_type)
+            .is_some_and(|v| v.every || v.listed.contains(&version))
     }
 
     /// Whether the set holds no type.
@@ -161,9 +165,27 @@ impl MessageTypes {
 
     /// Each type with its versions (`None`: every version), by name.
     pub fn iter(&self) -> impl Iterator<Item = (&str, Option<&BTreeSet<i32>>)> {
-        self.types.iter().map(|(t, v)| (t.as_str(), v.as_ref()))
+        self.types
+            .iter()
+            .map(|(t, v)| (t.as_str(), (!v.every).then_some(&v.listed)))
+    }
+
+    /// Every version added by itself, also of a type that has every version.
+    pub fn listed_versions(&self) -> impl Iterator<Item = (&str, i32)> {
+        self.types
+            .iter()
+            .flat_map(|(t, v)| v.listed.iter().map(move |&v| (t.as_str(), v)))
     }
 }
+
+/// Equal when they hold the same versions of the same types.
+impl PartialEq for MessageTypes {
+    fn eq(&self, other: &Self) -> bool {
+        self.iter().eq(other.iter())
+    }
+}
+
+impl Eq for MessageTypes {}
 
 /// `A, B v1/v2`: the first [`MessageTypes::LISTED`] types, then how many more.
 impl fmt::Display for MessageTypes {
@@ -171,7 +193,7 @@ impl fmt::Display for MessageTypes {
         if self.types.is_empty() {
             return f.write_str("none");
         }
-        for (i, (name, versions)) in self.types.iter().take(Self::LISTED).enumerate() {
+        for (i, (name, versions)) in self.iter().take(Self::LISTED).enumerate() {
             if i > 0 {
                 f.write_str(", ")?;
             }
@@ -1163,5 +1185,68 @@ mod tests {
         m.kind = None;
         let e = parse(m, &EnvelopeRules::default()).expect("valid");
         assert_eq!(e.message_type, "com.acme.OrderPlaced");
+    }
+
+    #[test]
+    fn a_type_outside_the_accepted_ones_is_refused_under_its_key() {
+        let rules = EnvelopeRules {
+            supported_versions: 1..=3,
+            accepted_types: Some(
+                MessageTypes::new()
+                    .with_type("OrderPlaced")
+                    .with_version("OrderShipped", 2),
+            ),
+            ..EnvelopeRules::default()
+        };
+        let typed = |kind: &str, version: i32| AmqpMessage {
+            kind: Some(kind.into()),
+            ..msg(Some("m1"), json!({"x-message-version": version}), b"{}")
+        };
+        assert!(parse(typed("OrderPlaced", 3), &rules).is_ok());
+        assert!(parse(typed("OrderShipped", 2), &rules).is_ok());
+        for (kind, version) in [("OrderShipped", 1), ("InvoiceSent", 1)] {
+            let invalid = parse(typed(kind, version), &rules).expect_err("not accepted");
+            assert_eq!(invalid.reason, InvalidReason::UnknownMessageType);
+            assert_eq!(invalid.reason.code(), "unknown_message_type");
+            assert_eq!(
+                invalid.envelope.message_id, "m1",
+                "recorded under its own key"
+            );
+            assert_eq!(
+                invalid.detail,
+                format!(
+                    "message type {kind:?} version {version} is not one this consumer accepts \
+                     (accepted: OrderPlaced, OrderShipped v2)"
+                )
+            );
+        }
+        // An unsupported version is refused as such first.
+        let invalid = parse(typed("OrderPlaced", 4), &rules).expect_err("unsupported");
+        assert_eq!(invalid.reason, InvalidReason::UnsupportedVersion);
+    }
+
+    #[test]
+    fn message_types_merge_versions_and_list_briefly() {
+        let mut types = MessageTypes::new()
+            .with_version("A", 2)
+            .with_version("A", 1);
+        assert_eq!(types.to_string(), "A v1/v2");
+        types.insert("A".into(), None);
+        assert!(types.contains("A", 99), "every version now");
+        types.insert("A".into(), Some(3));
+        assert_eq!(types.to_string(), "A");
+        assert_eq!(
+            types,
+            MessageTypes::new().with_type("A"),
+            "the same versions"
+        );
+        assert_eq!(
+            types.listed_versions().collect::<Vec<_>>(),
+            [("A", 1), ("A", 2), ("A", 3)],
+            "kept for the check of supported versions"
+        );
+        let many = (0..20).fold(MessageTypes::new(), |t, i| t.with_type(format!("T{i:02}")));
+        assert!(many.to_string().ends_with("T15 and 4 more"), "{many}");
+        assert_eq!(MessageTypes::new().to_string(), "none");
     }
 }

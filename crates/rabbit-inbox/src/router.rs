@@ -682,3 +682,281 @@ where
         Box::pin(self.handler.handle_batch(self.msgs, tx))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicU32;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::{
+        envelope::{AmqpMessage, Envelope, EnvelopeRules, parse},
+        handler::ErrorKind,
+        outbox::Outbox,
+        schema::SchemaName,
+    };
+
+    #[derive(Debug, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Placed {
+        order_id: String,
+    }
+
+    async fn placed(
+        _: Placed,
+        _: &InboxMessage<'_>,
+        _: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        Ok(())
+    }
+
+    struct Shipped;
+
+    impl TypedBatchHandler<serde_json::Value> for Shipped {
+        async fn handle_batch(
+            &self,
+            _: Vec<TypedMessage<'_, serde_json::Value>>,
+            _: &mut PgConnection,
+        ) -> Result<(), BatchError> {
+            Ok(())
+        }
+    }
+
+    fn envelope(message_type: &str, version: i32, body: serde_json::Value) -> Envelope {
+        let mut headers = serde_json::Map::new();
+        headers.insert("x-message-version".into(), json!(version));
+        parse(
+            AmqpMessage {
+                message_id: Some("m1".into()),
+                kind: Some(message_type.into()),
+                headers,
+                body: body.to_string().into_bytes(),
+                ..AmqpMessage::default()
+            },
+            &EnvelopeRules {
+                supported_versions: 1..=9,
+                ..EnvelopeRules::default()
+            },
+        )
+        .expect("valid")
+    }
+
+    fn router() -> Router {
+        Router::builder()
+            .route("OrderPlaced", placed)
+            .route(("OrderPlaced", 2), placed)
+            .route_batch(("OrderShipped", 1), Shipped)
+            .build()
+            .expect("distinct routes")
+    }
+
+    #[test]
+    fn a_version_route_takes_precedence_over_the_any_version_one() {
+        let r = router();
+        assert_eq!(r.route_index("OrderPlaced", 1), Some(0));
+        assert_eq!(r.route_index("OrderPlaced", 2), Some(1));
+        assert_eq!(r.route_index("OrderPlaced", 7), Some(0));
+        assert_eq!(r.route_index("OrderShipped", 1), Some(2));
+        assert_eq!(
+            r.route_index("OrderShipped", 2),
+            None,
+            "no any-version route"
+        );
+        assert_eq!(
+            r.route_index("orderplaced", 1),
+            None,
+            "types are case-sensitive"
+        );
+        assert_eq!(r.types().to_string(), "OrderPlaced, OrderShipped v1");
+        assert!(r.types().contains("OrderPlaced", 5));
+        assert!(!r.types().contains("OrderShipped", 2));
+    }
+
+    #[test]
+    fn the_same_type_and_version_twice_is_refused() {
+        let twice = Router::builder()
+            .route("OrderPlaced", placed)
+            .route_batch(("OrderShipped", 1), Shipped)
+            .route(String::from("OrderPlaced"), placed)
+            .build()
+            .expect_err("duplicate");
+        assert_eq!(
+            twice,
+            RouterError::DuplicateRoute(RouteKey::any_version("OrderPlaced"))
+        );
+        let err = Router::builder()
+            .route(("OrderPlaced", 3), placed)
+            .route_batch(("OrderPlaced", 3), Shipped)
+            .build()
+            .expect_err("duplicate version");
+        assert_eq!(
+            err.to_string(),
+            "two routes for \"OrderPlaced\" version 3: register each message type and version once"
+        );
+        assert_eq!(
+            Router::builder().build().expect_err("empty"),
+            RouterError::NoRoutes
+        );
+        assert_eq!(
+            Router::builder()
+                .route("", placed)
+                .build()
+                .expect_err("no type"),
+            RouterError::EmptyMessageType
+        );
+    }
+
+    #[test]
+    fn an_unknown_type_is_permanent_and_names_the_routed_ones() {
+        let r = router();
+        let outbox = Outbox::new(SchemaName::default());
+        let emitted = AtomicU32::new(0);
+        let unknown = envelope("InvoiceSent", 1, json!({}));
+        let msg = InboxMessage {
+            envelope: &unknown,
+            consumer_name: "svc",
+            attempt: 1,
+            outbox: &outbox,
+            emitted: &emitted,
+        };
+        let err = r.route_of(&msg).expect_err("no route");
+        assert_eq!(err.kind(), ErrorKind::Permanent);
+        assert_eq!(err.code(), "unknown_message_type");
+        assert_eq!(
+            err.safe_detail(),
+            Some(
+                "message type \"InvoiceSent\" has no route (routed: OrderPlaced, OrderShipped v1)"
+            )
+        );
+        let other_version = envelope("OrderShipped", 2, json!({}));
+        let msg = InboxMessage {
+            envelope: &other_version,
+            ..msg
+        };
+        let err = r.route_of(&msg).expect_err("no route for v2");
+        assert!(
+            err.message()
+                .starts_with("message type \"OrderShipped\" has no route for version 2"),
+            "{}",
+            err.message()
+        );
+    }
+
+    #[test]
+    fn groups_keep_delivery_order_unless_reordered() {
+        // Batch indexes with their routes: A A B A C C.
+        let routed = [(0, 0), (1, 0), (2, 1), (3, 0), (4, 2), (5, 2)];
+        assert_eq!(
+            router().groups(&routed),
+            [(0, vec![0, 1]), (1, vec![2]), (0, vec![3]), (2, vec![4, 5])]
+        );
+        let reordered = Router::builder()
+            .route("A", placed)
+            .reorder_by_type()
+            .build()
+            .expect("router");
+        assert_eq!(
+            reordered.groups(&routed),
+            [(0, vec![0, 1, 3]), (1, vec![2]), (2, vec![4, 5])]
+        );
+    }
+
+    #[test]
+    fn a_groups_errors_name_messages_of_the_batch() {
+        let route = RouteKey::version("OrderShipped", 1);
+        let members = [2, 5, 7];
+        let fail = || HandlerError::retryable("down", "down");
+        let mapped = to_batch_indexes(
+            BatchError::Message {
+                index: 1,
+                error: fail(),
+            },
+            &members,
+            &route,
+        );
+        assert!(
+            matches!(mapped, BatchError::Message { index: 5, .. }),
+            "{mapped:?}"
+        );
+        let mapped = to_batch_indexes(
+            BatchError::Messages(vec![(0, fail()), (2, fail())]),
+            &members,
+            &route,
+        );
+        let BatchError::Messages(errors) = mapped else {
+            panic!("still several messages: {mapped:?}");
+        };
+        assert_eq!(errors.iter().map(|(i, _)| *i).collect::<Vec<_>>(), [2, 7]);
+        // Unattributed: the consumer finds the culprit, unless the group has one message.
+        let mapped = to_batch_indexes(BatchError::Batch(fail()), &members, &route);
+        assert!(matches!(mapped, BatchError::Batch(_)), "{mapped:?}");
+        let mapped = to_batch_indexes(BatchError::Batch(fail()), &[4], &route);
+        assert!(
+            matches!(mapped, BatchError::Message { index: 4, .. }),
+            "{mapped:?}"
+        );
+        // An index outside the group is not trusted.
+        let mapped = to_batch_indexes(
+            BatchError::Message {
+                index: 3,
+                error: fail(),
+            },
+            &members,
+            &route,
+        );
+        let BatchError::Batch(error) = mapped else {
+            panic!("not attributed: {mapped:?}");
+        };
+        assert_eq!(error.code(), "bad_batch_index");
+        assert!(
+            error.message().contains("\"OrderShipped\" version 1"),
+            "{}",
+            error.message()
+        );
+    }
+
+    #[test]
+    fn a_group_decodes_every_message_and_names_each_mismatch() {
+        let outbox = Outbox::new(SchemaName::default());
+        let emitted = AtomicU32::new(0);
+        let good = envelope("OrderPlaced", 1, json!({"order_id": "o-1"}));
+        let bad = envelope("OrderPlaced", 1, json!({"order_id": 17}));
+        let msg = |envelope| InboxMessage {
+            envelope,
+            consumer_name: "svc",
+            attempt: 1,
+            outbox: &outbox,
+            emitted: &emitted,
+        };
+        let decoded = decode_all::<Placed>(vec![msg(&good), msg(&good)]).expect("both decode");
+        assert_eq!(decoded[1].payload.order_id, "o-1");
+        let failed =
+            decode_all::<Placed>(vec![msg(&good), msg(&bad), msg(&bad)]).expect_err("mismatches");
+        assert_eq!(failed.iter().map(|(i, _)| *i).collect::<Vec<_>>(), [1, 2]);
+        let (_, error) = &failed[0];
+        assert_eq!(error.kind(), ErrorKind::Permanent);
+        assert_eq!(error.code(), "payload_mismatch");
+        assert!(
+            error.safe_detail().is_some_and(|d| d.contains("order_id")),
+            "{error:?}"
+        );
+    }
+
+    #[test]
+    fn a_closed_router_declares_its_types_and_refuses_others() {
+        let open = router();
+        assert!(!Handler::refuses_other_types(&open));
+        let closed = Router::builder()
+            .route("OrderPlaced", placed)
+            .closed()
+            .build()
+            .expect("router");
+        assert!(Handler::refuses_other_types(&closed));
+        assert!(BatchHandler::refuses_other_types(&closed));
+        assert_eq!(
+            BatchHandler::message_types(&closed),
+            Some(MessageTypes::new().with_type("OrderPlaced"))
+        );
+    }
+}
