@@ -944,6 +944,25 @@ mod tests {
     }
 
     #[test]
+    fn async_closures_that_capture_nothing_are_handlers() {
+        let r = Router::builder()
+            .route(
+                "Noted",
+                async |note: serde_json::Value, msg: &InboxMessage<'_>, tx: &mut PgConnection| {
+                    sqlx::query("INSERT INTO notes (id, note) VALUES ($1, $2)")
+                        .bind(msg.message_id())
+                        .bind(note)
+                        .execute(&mut *tx)
+                        .await?;
+                    Ok(())
+                },
+            )
+            .build()
+            .expect("router");
+        assert_eq!(r.route_index("Noted", 1), Some(0));
+    }
+
+    #[test]
     fn a_closed_router_declares_its_types_and_refuses_others() {
         let open = router();
         assert!(!Handler::refuses_other_types(&open));
