@@ -75,7 +75,9 @@ impl<H: Handler> Consumer<PerMessage<H>> {
     /// A consumer of `config.topology.queue` on the broker at `amqp_url`, with the inbox (and
     /// the handler's business tables) in `pool`, running `handler` once per message. On a
     /// cluster, `amqp_url` lists the nodes' URLs separated by commas: each (re)connect takes
-    /// the first that accepts (see [`crate::broker::AmqpAddresses`]). Validates the configuration. Run [`crate::migrate`] first.
+    /// the first that accepts (see [`crate::broker::AmqpAddresses`]). Validates the configuration, with the message
+    /// types the handler declares (a [`crate::Router`]'s, see
+    /// [`ConsumerConfig::adopt_message_types`]). Run [`crate::migrate`] first.
     pub fn new(
         amqp_url: impl Into<String>,
         pool: PgPool,

@@ -187,7 +187,7 @@ impl PartialEq for MessageTypes {
 
 impl Eq for MessageTypes {}
 
-/// `A, B v1/v2`: the first [`MessageTypes::LISTED`] types, then how many more.
+/// `A, B v1/v2`: the first 16 types, then how many more.
 impl fmt::Display for MessageTypes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.types.is_empty() {
