@@ -157,6 +157,7 @@ pub fn rule_sets(header: &str, pointers: &[String]) -> Vec<EnvelopeRules> {
                     supported_versions: 1..=3,
                     field_limits: small_limits(),
                     body_hash: BodyHash::RawBytes,
+                    accepted_types: None,
                 },
                 EnvelopeRules {
                     dedup,

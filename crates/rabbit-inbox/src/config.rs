@@ -9,7 +9,7 @@ use std::time::Duration;
 use crate::{
     broker::{QueueType, Topology},
     dedup::DedupStrategy,
-    envelope::{EnvelopeRules, FieldLimits},
+    envelope::{EnvelopeRules, FieldLimits, MessageTypes},
     error::ConfigError,
     privacy::{PayloadPrivacy, PayloadStorage},
     retry::RetryPolicy,
@@ -94,6 +94,86 @@ impl ConsumerConfig {
             telemetry: TelemetryConfig::default(),
             outbox_notify: true,
         }
+    }
+
+    /// Takes in the message types a handler declares (see
+    /// [`crate::Handler::message_types`]); the consumer calls this before [`Self::validate`].
+    /// Every declared type must be able to reach the handler: a name within
+    /// `envelope.field_limits.message_type`, listed versions within
+    /// `envelope.supported_versions`. When the handler refuses other types
+    /// (`refuses_other_types`), `envelope.accepted_types` becomes its types, or, if set, must
+    /// be the same; otherwise a set `envelope.accepted_types` must name only declared types
+    /// (an accepted type without a handler would be parked for every message).
+    pub fn adopt_message_types(
+        &mut self,
+        declared: Option<MessageTypes>,
+        refuses_other_types: bool,
+    ) -> Result<(), ConfigError> {
+        let Some(declared) = declared else {
+            return Ok(());
+        };
+        let invalid = |name, reason: String| Err(ConfigError::InvalidSetting { name, reason });
+        let rules = &self.envelope;
+        for (message_type, _) in declared.iter() {
+            if message_type.len() > rules.field_limits.message_type {
+                return invalid(
+                    "envelope.field_limits.message_type",
+                    format!(
+                        "the handler takes message type {message_type:?} ({} bytes), longer than \
+                         the limit of {}: such messages are refused as field_too_long; raise \
+                         the limit or rename the type",
+                        message_type.len(),
+                        rules.field_limits.message_type
+                    ),
+                );
+            }
+        }
+        let supported = &rules.supported_versions;
+        if let Some((message_type, v)) = declared
+            .listed_versions()
+            .find(|(_, v)| !supported.contains(v))
+        {
+            return invalid(
+                "envelope.supported_versions",
+                format!(
+                    "the handler takes {message_type:?} version {v}, outside the supported \
+                     versions {}..={}: such messages are refused as unsupported_version; \
+                     widen supported_versions or drop the route",
+                    supported.start(),
+                    supported.end()
+                ),
+            );
+        }
+        match &rules.accepted_types {
+            None if refuses_other_types => self.envelope.accepted_types = Some(declared),
+            None => {}
+            Some(accepted) if refuses_other_types && *accepted != declared => {
+                return invalid(
+                    "envelope.accepted_types",
+                    format!(
+                        "the consumer accepts {accepted} but the handler takes exactly \
+                         {declared}; leave accepted_types unset to take the handler's"
+                    ),
+                );
+            }
+            Some(accepted) => {
+                let unhandled = accepted.iter().find(|(t, versions)| match versions {
+                    None => !declared.iter().any(|(d, dv)| d == *t && dv.is_none()),
+                    Some(vs) => vs.iter().any(|v| !declared.contains(t, *v)),
+                });
+                if let Some((message_type, _)) = unhandled {
+                    return invalid(
+                        "envelope.accepted_types",
+                        format!(
+                            "the consumer accepts {message_type:?} (in {accepted}) but the \
+                             handler takes only {declared}: those messages would be parked \
+                             as unknown_message_type; route the type or stop accepting it"
+                        ),
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Checks every setting; the consumer calls this before connecting.
@@ -333,5 +413,54 @@ mod tests {
         assert!(err(&|l| l.aggregate_id = usize::MAX).is_some());
         assert!(err(&|l| l.traceparent = 54).is_some());
         assert!(err(&|l| l.traceparent = 512).is_none());
+    }
+
+    #[test]
+    fn a_handlers_types_must_be_reachable_and_agree_with_the_accepted_ones() {
+        let base = ConsumerConfig::new("svc", Topology::new("orders"));
+        let types = MessageTypes::new()
+            .with_type("OrderPlaced")
+            .with_version("OrderShipped", 1);
+        let adopt = |accepted: Option<MessageTypes>, declared: MessageTypes, closed: bool| {
+            let mut c = base.clone();
+            c.envelope.accepted_types = accepted;
+            c.adopt_message_types(Some(declared), closed)
+                .map(|()| c.envelope.accepted_types)
+                .map_err(|e| e.to_string())
+        };
+        // Open: nothing is narrowed. Closed: the consumer accepts exactly the routes.
+        assert_eq!(adopt(None, types.clone(), false), Ok(None));
+        assert_eq!(adopt(None, types.clone(), true), Ok(Some(types.clone())));
+        assert_eq!(
+            adopt(Some(types.clone()), types.clone(), true),
+            Ok(Some(types.clone()))
+        );
+        let narrower = MessageTypes::new().with_type("OrderPlaced");
+        let err = adopt(Some(narrower.clone()), types.clone(), true).expect_err("differ");
+        assert!(err.contains("envelope.accepted_types"), "{err}");
+        // Open: accepting fewer types than routed is a choice; more is a type without handler.
+        assert!(adopt(Some(narrower.clone()), types.clone(), false).is_ok());
+        let wider = types.clone().with_version("OrderShipped", 2);
+        let err = adopt(Some(wider), types.clone(), false).expect_err("unrouted version");
+        assert!(err.contains("\"OrderShipped\""), "{err}");
+        let err = adopt(
+            Some(MessageTypes::new().with_type("OrderShipped")),
+            types.clone(),
+            false,
+        )
+        .expect_err("every version accepted, one routed");
+        assert!(err.contains("unknown_message_type"), "{err}");
+        // Unreachable routes.
+        let err = adopt(None, types.clone().with_version("OrderPlaced", 2), false)
+            .expect_err("version 2 is unsupported");
+        assert!(err.contains("envelope.supported_versions"), "{err}");
+        assert!(err.contains("version 2"), "{err}");
+        let err = adopt(None, MessageTypes::new().with_type("T".repeat(256)), true)
+            .expect_err("too long a type");
+        assert!(err.contains("field_limits.message_type"), "{err}");
+        // A handler that declares nothing changes nothing.
+        let mut c = base.clone();
+        c.adopt_message_types(None, true).expect("nothing declared");
+        assert_eq!(c.envelope.accepted_types, None);
     }
 }

@@ -75,7 +75,9 @@ impl<H: Handler> Consumer<PerMessage<H>> {
     /// A consumer of `config.topology.queue` on the broker at `amqp_url`, with the inbox (and
     /// the handler's business tables) in `pool`, running `handler` once per message. On a
     /// cluster, `amqp_url` lists the nodes' URLs separated by commas: each (re)connect takes
-    /// the first that accepts (see [`crate::broker::AmqpAddresses`]). Validates the configuration. Run [`crate::migrate`] first.
+    /// the first that accepts (see [`crate::broker::AmqpAddresses`]). Validates the configuration, with the message
+    /// types the handler declares (a [`crate::Router`]'s, see
+    /// [`ConsumerConfig::adopt_message_types`]). Run [`crate::migrate`] first.
     pub fn new(
         amqp_url: impl Into<String>,
         pool: PgPool,
@@ -88,13 +90,17 @@ impl<H: Handler> Consumer<PerMessage<H>> {
 
 impl<H: BatchHandler> Consumer<H> {
     /// Like [`Consumer::new`], with a handler that gets each batch's new messages at once, for
-    /// set-based business writes.
+    /// set-based business writes. Takes in the message types the handler declares (see
+    /// [`ConsumerConfig::adopt_message_types`]).
     pub fn with_batch_handler(
         amqp_url: impl Into<String>,
         pool: PgPool,
-        config: ConsumerConfig,
+        mut config: ConsumerConfig,
         handler: H,
     ) -> Result<Self, ConfigError> {
+        // A router's types: unreachable routes fail here, a closed router's unknown types are
+        // refused when a delivery is parsed.
+        config.adopt_message_types(handler.message_types(), handler.refuses_other_types())?;
         config.validate()?;
         let processor = {
             let (pool, config) = (pool.clone(), config.clone());

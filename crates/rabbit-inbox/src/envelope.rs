@@ -6,7 +6,11 @@
 //! producer controls that the inbox stores is bounded ([`FieldLimits`]), and an invalid
 //! message's envelope is cut down to those bounds, so that its failure can always be recorded.
 
-use std::ops::RangeInclusive;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    ops::RangeInclusive,
+};
 
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
@@ -14,6 +18,7 @@ use sha2::{Digest, Sha256};
 use crate::{
     canonical_json::canonical_sha256,
     dedup::{DedupStrategy, KeyError},
+    status::UNKNOWN_MESSAGE_TYPE,
 };
 
 /// Most levels of field tables and arrays a header value may nest, the headers table itself
@@ -76,6 +81,11 @@ pub struct EnvelopeRules {
     pub field_limits: FieldLimits,
     /// How the body hash that detects payload conflicts is computed.
     pub body_hash: BodyHash,
+    /// The message types (and versions) this consumer accepts; any other is invalid
+    /// ([`InvalidReason::UnknownMessageType`]) and parked before a handler sees it. `None`
+    /// accepts every type and leaves the decision to the handler. A consumer whose handler is
+    /// a closed [`crate::router::Router`] sets it from the router's routes.
+    pub accepted_types: Option<MessageTypes>,
 }
 
 impl Default for EnvelopeRules {
@@ -86,7 +96,121 @@ impl Default for EnvelopeRules {
             supported_versions: 1..=1,
             field_limits: FieldLimits::default(),
             body_hash: BodyHash::default(),
+            accepted_types: None,
         }
+    }
+}
+
+/// A set of message types, each with the versions it covers: some listed versions, or every
+/// version ([`EnvelopeRules::supported_versions`] still bounds them).
+#[derive(Clone, Debug, Default)]
+pub struct MessageTypes {
+    types: BTreeMap<String, Versions>,
+}
+
+/// The versions of one type in a [`MessageTypes`]. Listed versions are kept beside `every`:
+/// a version with a handler of its own must still be one the consumer supports.
+#[derive(Clone, Debug, Default)]
+struct Versions {
+    every: bool,
+    listed: BTreeSet<i32>,
+}
+
+impl MessageTypes {
+    /// Most types, and versions of one type, that [`MessageTypes`]'s `Display` lists: it ends
+    /// up in stored error details, which must stay short.
+    const LISTED: usize = 16;
+
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds every version of `message_type`.
+    #[must_use]
+    pub fn with_type(mut self, message_type: impl Into<String>) -> Self {
+        self.insert(message_type.into(), None);
+        self
+    }
+
+    /// Adds `version` of `message_type`.
+    #[must_use]
+    pub fn with_version(mut self, message_type: impl Into<String>, version: i32) -> Self {
+        self.insert(message_type.into(), Some(version));
+        self
+    }
+
+    /// Adds `version` of `message_type`, or every version for `None`.
+    pub fn insert(&mut self, message_type: String, version: Option<i32>) {
+        let versions = self.types.entry(message_type).or_default();
+        match version {
+            None => versions.every = true,
+            Some(v) => {
+                versions.listed.insert(v);
+            }
+        }
+    }
+
+    /// Whether `version` of `message_type` is in the set.
+    pub fn contains(&self, message_type: &str, version: i32) -> bool {
+        self.types
+            .get(message_type)
+            .is_some_and(|v| v.every || v.listed.contains(&version))
+    }
+
+    /// Whether the set holds no type.
+    pub fn is_empty(&self) -> bool {
+        self.types.is_empty()
+    }
+
+    /// Each type with its versions (`None`: every version), by name.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, Option<&BTreeSet<i32>>)> {
+        self.types
+            .iter()
+            .map(|(t, v)| (t.as_str(), (!v.every).then_some(&v.listed)))
+    }
+
+    /// Every version added by itself, also of a type that has every version.
+    pub fn listed_versions(&self) -> impl Iterator<Item = (&str, i32)> {
+        self.types
+            .iter()
+            .flat_map(|(t, v)| v.listed.iter().map(move |&v| (t.as_str(), v)))
+    }
+}
+
+/// Equal when they hold the same versions of the same types.
+impl PartialEq for MessageTypes {
+    fn eq(&self, other: &Self) -> bool {
+        self.iter().eq(other.iter())
+    }
+}
+
+impl Eq for MessageTypes {}
+
+/// `A, B v1/v2`: the first 16 types, then how many more.
+impl fmt::Display for MessageTypes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.types.is_empty() {
+            return f.write_str("none");
+        }
+        for (i, (name, versions)) in self.iter().take(Self::LISTED).enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            f.write_str(name)?;
+            if let Some(versions) = versions {
+                for (j, v) in versions.iter().take(Self::LISTED).enumerate() {
+                    write!(f, "{}v{v}", if j == 0 { " " } else { "/" })?;
+                }
+                if versions.len() > Self::LISTED {
+                    write!(f, "/..")?;
+                }
+            }
+        }
+        if self.types.len() > Self::LISTED {
+            write!(f, " and {} more", self.types.len() - Self::LISTED)?;
+        }
+        Ok(())
     }
 }
 
@@ -228,6 +352,8 @@ pub enum InvalidReason {
     HeadersTooLarge,
     /// A header nests field tables or arrays deeper than [`MAX_HEADER_DEPTH`].
     HeadersTooDeep,
+    /// The message type (or this version of it) is not in [`EnvelopeRules::accepted_types`].
+    UnknownMessageType,
 }
 
 impl InvalidReason {
@@ -244,6 +370,7 @@ impl InvalidReason {
             InvalidReason::FieldTooLong => "field_too_long",
             InvalidReason::HeadersTooLarge => "headers_too_large",
             InvalidReason::HeadersTooDeep => "headers_too_deep",
+            InvalidReason::UnknownMessageType => UNKNOWN_MESSAGE_TYPE,
         }
     }
 }
@@ -403,6 +530,22 @@ fn classify(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<Inv
         Err(detail) => {
             return Err(keep_key(envelope, InvalidReason::MalformedVersion, detail));
         }
+    }
+
+    if let Some(accepted) = &rules.accepted_types
+        && !accepted.contains(&envelope.message_type, envelope.message_version)
+    {
+        // The type is within its field limit (checked above) and stored in its own column
+        // anyway, so the detail may name it.
+        let detail = format!(
+            "message type {:?} version {} is not one this consumer accepts (accepted: {accepted})",
+            envelope.message_type, envelope.message_version
+        );
+        return Err(keep_key(
+            envelope,
+            InvalidReason::UnknownMessageType,
+            detail,
+        ));
     }
 
     match payload {
@@ -1042,5 +1185,68 @@ mod tests {
         m.kind = None;
         let e = parse(m, &EnvelopeRules::default()).expect("valid");
         assert_eq!(e.message_type, "com.acme.OrderPlaced");
+    }
+
+    #[test]
+    fn a_type_outside_the_accepted_ones_is_refused_under_its_key() {
+        let rules = EnvelopeRules {
+            supported_versions: 1..=3,
+            accepted_types: Some(
+                MessageTypes::new()
+                    .with_type("OrderPlaced")
+                    .with_version("OrderShipped", 2),
+            ),
+            ..EnvelopeRules::default()
+        };
+        let typed = |kind: &str, version: i32| AmqpMessage {
+            kind: Some(kind.into()),
+            ..msg(Some("m1"), json!({"x-message-version": version}), b"{}")
+        };
+        assert!(parse(typed("OrderPlaced", 3), &rules).is_ok());
+        assert!(parse(typed("OrderShipped", 2), &rules).is_ok());
+        for (kind, version) in [("OrderShipped", 1), ("InvoiceSent", 1)] {
+            let invalid = parse(typed(kind, version), &rules).expect_err("not accepted");
+            assert_eq!(invalid.reason, InvalidReason::UnknownMessageType);
+            assert_eq!(invalid.reason.code(), "unknown_message_type");
+            assert_eq!(
+                invalid.envelope.message_id, "m1",
+                "recorded under its own key"
+            );
+            assert_eq!(
+                invalid.detail,
+                format!(
+                    "message type {kind:?} version {version} is not one this consumer accepts \
+                     (accepted: OrderPlaced, OrderShipped v2)"
+                )
+            );
+        }
+        // An unsupported version is refused as such first.
+        let invalid = parse(typed("OrderPlaced", 4), &rules).expect_err("unsupported");
+        assert_eq!(invalid.reason, InvalidReason::UnsupportedVersion);
+    }
+
+    #[test]
+    fn message_types_merge_versions_and_list_briefly() {
+        let mut types = MessageTypes::new()
+            .with_version("A", 2)
+            .with_version("A", 1);
+        assert_eq!(types.to_string(), "A v1/v2");
+        types.insert("A".into(), None);
+        assert!(types.contains("A", 99), "every version now");
+        types.insert("A".into(), Some(3));
+        assert_eq!(types.to_string(), "A");
+        assert_eq!(
+            types,
+            MessageTypes::new().with_type("A"),
+            "the same versions"
+        );
+        assert_eq!(
+            types.listed_versions().collect::<Vec<_>>(),
+            [("A", 1), ("A", 2), ("A", 3)],
+            "kept for the check of supported versions"
+        );
+        let many = (0..20).fold(MessageTypes::new(), |t, i| t.with_type(format!("T{i:02}")));
+        assert!(many.to_string().ends_with("T15 and 4 more"), "{many}");
+        assert_eq!(MessageTypes::new().to_string(), "none");
     }
 }

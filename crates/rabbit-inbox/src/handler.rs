@@ -18,7 +18,7 @@ use sqlx::PgConnection;
 
 use crate::{
     db_error::{DbErrorClass, deterministic_code},
-    envelope::Envelope,
+    envelope::{Envelope, MessageTypes},
     outbox::{Enqueued, Outbox, OutboxError, OutboxMessage, child_traceparent, emitted_message_id},
     status::{DEPLOYMENT_FAULT, HANDLER_PANICKED},
 };
@@ -262,6 +262,22 @@ pub trait Handler: Send + Sync + 'static {
         msg: &InboxMessage<'_>,
         tx: &mut PgConnection,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+
+    /// The message types this handler takes, when it knows them (a [`crate::router::Router`]
+    /// does). The consumer checks before it connects that each can reach the handler (a
+    /// version within [`crate::EnvelopeRules::supported_versions`], a name within the
+    /// message type's field limit) and refuses to start otherwise.
+    fn message_types(&self) -> Option<MessageTypes> {
+        None
+    }
+
+    /// Whether the handler takes no type outside [`Handler::message_types`]. The consumer then
+    /// refuses the others when it parses a delivery, as invalid (`unknown_message_type`):
+    /// recorded and parked without a business transaction (see
+    /// [`crate::EnvelopeRules::accepted_types`]).
+    fn refuses_other_types(&self) -> bool {
+        false
+    }
 }
 
 /// A batch handler's failure.
@@ -304,6 +320,22 @@ pub trait BatchHandler: Send + Sync + 'static {
         msgs: &[InboxMessage<'_>],
         tx: &mut PgConnection,
     ) -> impl Future<Output = Result<(), BatchError>> + Send;
+
+    /// The message types this handler takes, when it knows them (a [`crate::router::Router`]
+    /// does). The consumer checks before it connects that each can reach the handler (a
+    /// version within [`crate::EnvelopeRules::supported_versions`], a name within the
+    /// message type's field limit) and refuses to start otherwise.
+    fn message_types(&self) -> Option<MessageTypes> {
+        None
+    }
+
+    /// Whether the handler takes no type outside [`BatchHandler::message_types`]. The consumer then
+    /// refuses the others when it parses a delivery, as invalid (`unknown_message_type`):
+    /// recorded and parked without a business transaction (see
+    /// [`crate::EnvelopeRules::accepted_types`]).
+    fn refuses_other_types(&self) -> bool {
+        false
+    }
 }
 
 /// Runs a per-message [`Handler`] over a batch, one message after the other, in one
@@ -330,6 +362,14 @@ impl<H: Handler> BatchHandler for PerMessage<H> {
             return Err(BatchError::Message { index, error });
         }
         Ok(())
+    }
+
+    fn message_types(&self) -> Option<MessageTypes> {
+        self.0.message_types()
+    }
+
+    fn refuses_other_types(&self) -> bool {
+        self.0.refuses_other_types()
     }
 }
 

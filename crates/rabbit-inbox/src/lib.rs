@@ -76,6 +76,7 @@ pub mod handler;
 pub mod lease;
 pub mod outbox;
 mod processor;
+pub mod router;
 
 mod consumer;
 #[cfg(feature = "testing")]
@@ -101,6 +102,7 @@ pub use lease::{Lease, LeaseConfig, LeaseError, Leased, LeasedHandler};
 pub use outbox::{Enqueued, Outbox, OutboxError, OutboxMessage, Relay, RelayConfig};
 pub use privacy::PayloadStorage;
 pub use retry::RetryPolicy;
+pub use router::{Router, RouterError, TypedBatchHandler, TypedHandler, TypedMessage};
 pub use runner::{RunError, Runner, Shutdown, shutdown_signal};
 pub use sampler::InboxSampler;
 pub use schema::{SchemaName, migrate};

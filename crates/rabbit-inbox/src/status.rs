@@ -143,6 +143,11 @@ pub const HANDLER_PANICKED: &str = "handler_panicked";
 /// a row: the deliveries are requeued with back-off until the deployment is fixed.
 pub const DEPLOYMENT_FAULT: &str = "db_deployment_fault";
 
+/// Error code of a message whose type (or version of it) no handler takes: refused at parse
+/// time under [`crate::envelope::EnvelopeRules::accepted_types`], or by a
+/// [`crate::router::Router`] without a route for it. Permanent.
+pub const UNKNOWN_MESSAGE_TYPE: &str = "unknown_message_type";
+
 /// Error code of a handler's failure caused by a lost lease (see [`crate::LeaseError::Lost`]).
 pub const LEASE_LOST: &str = "lease_lost";
 

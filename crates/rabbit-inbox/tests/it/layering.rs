@@ -36,6 +36,7 @@ const LAYERS: &[&str] = &[
     // The outbox, then what application code implements.
     "outbox",
     "handler",
+    "router",
     "config",
     // The runtime.
     "processor",

@@ -22,6 +22,7 @@ mod metric_catalog;
 mod outbox;
 mod oversized_frames;
 mod privacy;
+mod router;
 mod session_losses;
 mod simultaneous_migrate;
 // The handler test kit exists only with its feature (`--all-features`, as the tests run).
