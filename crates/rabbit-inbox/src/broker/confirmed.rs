@@ -14,7 +14,7 @@ use lapin::{
 use tokio::time::Instant;
 
 use super::{connect, headers::short, publish::OutgoingMessage};
-use crate::error::BrokerError;
+use crate::error::{AmqpResult, BrokerError};
 
 /// One message for [`ConfirmedLink::publish_all`].
 pub(crate) struct Publication {
@@ -287,7 +287,7 @@ impl ConfirmedLink {
                     // The 404 closed the channel; the connection stays.
                     link.channel = confirm_channel(&link.connection).await?;
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(BrokerError::from_client(e)),
             }
         }
         Ok(missing)
@@ -312,9 +312,10 @@ fn is_not_found(e: &lapin::Error) -> bool {
 }
 
 async fn confirm_channel(connection: &Connection) -> Result<Channel, BrokerError> {
-    let channel = connection.create_channel().await?;
+    let channel = connection.create_channel().await.amqp()?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
-        .await?;
+        .await
+        .amqp()?;
     Ok(channel)
 }

@@ -37,7 +37,7 @@ mod topology;
 pub use addresses::AmqpAddresses;
 pub(crate) use addresses::check_addresses;
 pub(crate) use confirmed::{ConfirmedLink, Outstanding, Publication, PublishResult};
-pub use headers::{convert_headers, headers_to_json};
+pub use headers::convert_encoded_headers;
 pub use parking::{ParkedMessage, ParkingLot, QueueDepth, Republished};
 pub(crate) use publish::check_publishable;
 pub use publish::{Broker, OutgoingMessage, QueueDepths};

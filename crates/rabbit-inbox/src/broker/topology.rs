@@ -9,7 +9,10 @@ use lapin::{
 use super::headers::long_string;
 use std::time::Duration;
 
-use crate::{error::BrokerError, retry::RetryPolicy};
+use crate::{
+    error::{AmqpResult, BrokerError},
+    retry::RetryPolicy,
+};
 
 /// The queues a consumer declares and uses.
 ///
@@ -186,7 +189,8 @@ pub(super) async fn declare(
     }
     channel
         .queue_declare(topology.queue.as_str().into(), durable, work)
-        .await?;
+        .await
+        .amqp()?;
     // Retry tiers: no consumer; messages expire after the tier's delay and dead-letter back.
     for (tier, delay) in tiers.iter().zip(&retry.delays) {
         let mut args = dead_lettering_args(topology, &topology.queue);
@@ -194,7 +198,8 @@ pub(super) async fn declare(
         args.insert("x-message-ttl".into(), AMQPValue::LongUInt(delay_ms));
         channel
             .queue_declare(tier.as_str().into(), durable, args)
-            .await?;
+            .await
+            .amqp()?;
     }
     channel
         .queue_declare(
@@ -202,7 +207,8 @@ pub(super) async fn declare(
             durable,
             queue_args(topology),
         )
-        .await?;
+        .await
+        .amqp()?;
     if let Some(exchange) = &topology.exchange {
         declare_exchange(channel, exchange).await?;
         for key in &topology.binding_keys {
@@ -214,7 +220,8 @@ pub(super) async fn declare(
                     QueueBindOptions::default(),
                     FieldTable::default(),
                 )
-                .await?;
+                .await
+                .amqp()?;
         }
     }
     Ok(())
@@ -232,7 +239,8 @@ pub(super) async fn declare_exchange(channel: &Channel, exchange: &str) -> Resul
             },
             FieldTable::default(),
         )
-        .await?;
+        .await
+        .amqp()?;
     Ok(())
 }
 
