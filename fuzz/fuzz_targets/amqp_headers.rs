@@ -9,7 +9,9 @@ use lapin::types::{
     generation::gen_field_table,
 };
 use libfuzzer_sys::fuzz_target;
-use rabbit_inbox::{AmqpMessage, HEADER_TOO_DEEP, MAX_HEADER_DEPTH, broker::convert_encoded_headers};
+use rabbit_inbox::{
+    AmqpMessage, HEADER_TOO_DEEP, MAX_HEADER_DEPTH, broker::convert_encoded_headers,
+};
 use rabbit_inbox_fuzz::{Body, Name, check, rule_sets};
 use serde_json::Value;
 
