@@ -14,7 +14,7 @@ use lapin::{
 };
 use serde_json::{Map, Value};
 
-use super::topology::Topology;
+use super::topology::{Exchange, Topology};
 use super::{
     connect,
     headers::{json_to_table, short},
@@ -124,6 +124,12 @@ impl Broker {
     /// Declares a durable topic exchange, such as the one a service's outbox publishes its
     /// events to. Idempotent.
     pub async fn declare_exchange(&self, exchange: &str) -> Result<(), BrokerError> {
+        self.declare_exchange_as(&Exchange::topic(exchange)).await
+    }
+
+    /// Declares `exchange` with its type and durability. Idempotent; an exchange that exists
+    /// with another type or durability is an error (PRECONDITION_FAILED).
+    pub async fn declare_exchange_as(&self, exchange: &Exchange) -> Result<(), BrokerError> {
         super::topology::declare_exchange(&self.channel, exchange).await
     }
 
