@@ -21,6 +21,7 @@ mod metric_catalog;
 mod outbox;
 mod oversized_frames;
 mod privacy;
+mod public_api;
 mod session_losses;
 mod simultaneous_migrate;
 mod tls;

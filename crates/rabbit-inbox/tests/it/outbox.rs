@@ -932,9 +932,10 @@ fn delete_at_end(env: &TestEnv, exchange: &str) {
 
 /// Binds `queue` to `exchange` with `key`; false while the exchange does not exist.
 async fn bind(exchange: &str, queue: &str, key: &str) -> bool {
-    let connection = lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
-        .await
-        .expect("connect");
+    let connection =
+        lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+            .await
+            .expect("connect");
     let channel = connection.create_channel().await.expect("channel");
     let bound = channel
         .queue_bind(
@@ -1035,7 +1036,10 @@ async fn a_required_exchange_that_is_missing_fails_the_start_naming_it() {
         .await
         .expect("list");
     assert_eq!(rows.len(), 1);
-    assert_eq!((rows[0].attempts, rows[0].lease_owner.as_deref()), (0, None));
+    assert_eq!(
+        (rows[0].attempts, rows[0].lease_owner.as_deref()),
+        (0, None)
+    );
 
     // An exchange declared with another type than the one it has is refused, and named.
     let config = relay_config(&env)
@@ -1081,9 +1085,10 @@ async fn a_missing_exchange_at_run_time_is_warned_about_once_per_back_off_period
     config.max_attempts = 1_000;
     let started = Instant::now();
     let relay = RunningRelay::start(&env, config);
-    wait_for("three rounds of publishes to the missing exchange", async || {
-        relay.stats.snapshot().exchange_missing >= 3 * ROWS
-    })
+    wait_for(
+        "three rounds of publishes to the missing exchange",
+        async || relay.stats.snapshot().exchange_missing >= 3 * ROWS,
+    )
     .await;
     let s = relay.stop().await;
     let elapsed = started.elapsed();
