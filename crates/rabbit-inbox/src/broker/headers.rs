@@ -47,7 +47,7 @@ pub(crate) fn table_to_json(table: &FieldTable) -> (Map<String, Value>, Option<S
 #[doc(hidden)]
 pub fn convert_encoded_headers(encoded: &[u8]) -> Option<(Map<String, Value>, Option<String>)> {
     match parse_field_table(encoded) {
-        Ok((rest, table)) if rest.is_empty() => Some(table_to_json(&table)),
+        Ok(([], table)) => Some(table_to_json(&table)),
         _ => None,
     }
 }

@@ -507,7 +507,7 @@ impl Relay {
     async fn prepare_exchanges(
         &self,
         link: &mut ConfirmedLink,
-        shutdown: &mut (impl Future<Output = ()> + futures::future::FusedFuture + Unpin),
+        shutdown: &mut (impl futures::future::FusedFuture<Output = ()> + Unpin),
     ) -> Result<bool, RelayError> {
         let c = &self.config;
         if c.declared_exchanges.is_empty() && c.required_exchanges.is_empty() {
@@ -806,10 +806,10 @@ impl Relay {
                         due.push((row.exchange.clone(), period));
                     }
                 }
-                PublishResult::Confirmed | PublishResult::Returned(_) => {
-                    if missing.found(&row.exchange) {
-                        tracing::info!(relay = %c.name, exchange = %row.exchange, "the exchange the outbox rows waited for exists now; publishing them");
-                    }
+                PublishResult::Confirmed | PublishResult::Returned(_)
+                    if missing.found(&row.exchange) =>
+                {
+                    tracing::info!(relay = %c.name, exchange = %row.exchange, "the exchange the outbox rows waited for exists now; publishing them");
                 }
                 _ => {}
             }

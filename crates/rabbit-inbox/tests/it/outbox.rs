@@ -1017,7 +1017,9 @@ async fn a_required_exchange_that_is_missing_fails_the_start_naming_it() {
         .expect("the relay ends at start")
         .expect_err("a required exchange is missing");
     match &error {
-        RelayError::ExchangesMissing { exchanges } => assert_eq!(exchanges, &[absent.clone()]),
+        RelayError::ExchangesMissing { exchanges } => {
+            assert_eq!(exchanges, std::slice::from_ref(&absent))
+        }
         other => panic!("unexpected error: {other}"),
     }
     let text = error.to_string();
