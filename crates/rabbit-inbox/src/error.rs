@@ -43,8 +43,8 @@ pub enum StoreError {
 #[non_exhaustive]
 pub enum BrokerError {
     /// The connection or a channel operation failed.
-    #[error("RabbitMQ error: {0}")]
-    Amqp(#[from] lapin::Error),
+    #[error(transparent)]
+    Amqp(#[from] AmqpError),
     /// The broker negatively confirmed a publish, or returned it as unroutable.
     #[error("RabbitMQ did not accept the message published to {0}")]
     NotConfirmed(String),
@@ -85,6 +85,136 @@ pub enum BrokerError {
         /// Its length in bytes.
         len: usize,
     },
+}
+
+/// A failure the AMQP client reported: the broker refused an operation or closed the channel
+/// or connection, or the connection itself failed.
+///
+/// Its message says what happened in the broker's words (the reply text names the queue or
+/// exchange) and what to do where that is clear; [`std::error::Error::source`] is the client's
+/// own error. The client library is not part of this crate's API, so neither is its error type.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct AmqpError {
+    inner: lapin::Error,
+}
+
+impl AmqpError {
+    pub(crate) fn new(inner: lapin::Error) -> Self {
+        Self { inner }
+    }
+
+    /// The client's error, for the broker module's classification (not found, fatal...).
+    pub(crate) fn client(&self) -> &lapin::Error {
+        &self.inner
+    }
+
+    /// The broker's reply code (`404`, `406`, `320`...) when the broker closed the channel
+    /// or connection; `None` for a failure on this side (network, closed connection).
+    pub fn reply_code(&self) -> Option<u16> {
+        match self.inner.kind() {
+            lapin::ErrorKind::ProtocolError(amqp) => Some(amqp.get_id()),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for AmqpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use lapin::{
+            ErrorKind,
+            protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError},
+        };
+        match self.inner.kind() {
+            ErrorKind::ProtocolError(amqp) => {
+                let reply = amqp.get_message().as_str();
+                match amqp.kind() {
+                    AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND) => write!(
+                        f,
+                        "RabbitMQ has no such queue or exchange ({reply}); declare it, or check \
+                         the name and the virtual host"
+                    ),
+                    AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+                    | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED) => write!(
+                        f,
+                        "RabbitMQ refused access ({reply}); check the user, its password and \
+                         its permissions on the virtual host"
+                    ),
+                    AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED) => write!(
+                        f,
+                        "RabbitMQ refused the operation ({reply}); if a queue or exchange \
+                         exists with other settings, declare it with the same ones or delete it"
+                    ),
+                    AMQPErrorKind::Soft(AMQPSoftError::RESOURCELOCKED) => write!(
+                        f,
+                        "RabbitMQ refused the operation ({reply}); another connection holds \
+                         the queue exclusively"
+                    ),
+                    AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED) => write!(
+                        f,
+                        "RabbitMQ closed the connection ({reply}); a node stopped or an \
+                         operator closed it: the next attempt reconnects"
+                    ),
+                    AMQPErrorKind::Soft(_) => {
+                        write!(f, "RabbitMQ closed the channel ({reply})")
+                    }
+                    AMQPErrorKind::Hard(_) => {
+                        write!(f, "RabbitMQ closed the connection ({reply})")
+                    }
+                }
+            }
+            ErrorKind::IOError(io) => write!(
+                f,
+                "the connection to RabbitMQ failed ({io}); check that the broker runs and is \
+                 reachable at the configured address"
+            ),
+            ErrorKind::MissingHeartbeatError => write!(
+                f,
+                "RabbitMQ sent no heartbeat in time; the connection is considered lost and the \
+                 next attempt reconnects"
+            ),
+            ErrorKind::InvalidChannelState(..)
+            | ErrorKind::InvalidConnectionState(_)
+            | ErrorKind::InvalidChannel(_) => write!(
+                f,
+                "the AMQP channel or connection is closed ({}); the next attempt reopens it",
+                self.inner
+            ),
+            ErrorKind::AuthProviderError(why) => {
+                write!(
+                    f,
+                    "authenticating to RabbitMQ failed ({why}); check the credentials"
+                )
+            }
+            _ => write!(f, "AMQP client error: {}", self.inner),
+        }
+    }
+}
+
+impl std::error::Error for AmqpError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.inner)
+    }
+}
+
+/// Crate-internal conversion of the client's results: a `From` impl would put the client's
+/// error type in the public API.
+pub(crate) trait AmqpResult<T> {
+    /// The client's error as a [`BrokerError::Amqp`].
+    fn amqp(self) -> Result<T, BrokerError>;
+}
+
+impl<T> AmqpResult<T> for Result<T, lapin::Error> {
+    fn amqp(self) -> Result<T, BrokerError> {
+        self.map_err(BrokerError::from_client)
+    }
+}
+
+impl BrokerError {
+    /// The client's error as a [`BrokerError::Amqp`].
+    pub(crate) fn from_client(e: lapin::Error) -> Self {
+        Self::Amqp(AmqpError::new(e))
+    }
 }
 
 /// Why a consumer stopped.

@@ -10,7 +10,7 @@ use std::{fmt, str::FromStr, time::Duration};
 use lapin::{Connection, ConnectionProperties, uri::AMQPScheme, uri::AMQPUri};
 
 use super::tls::{AmqpTls, TlsFiles};
-use crate::error::{BrokerError, ConfigError};
+use crate::error::{AmqpResult, BrokerError, ConfigError};
 
 /// How long one address may take to accept a connection before the next is tried. A node that
 /// is partitioned away or paused does not refuse; it just never answers.
@@ -95,7 +95,7 @@ impl AmqpAddresses {
                 node.uri.clone(),
                 props,
                 tls,
-                lapin::runtime::default_runtime()?,
+                lapin::runtime::default_runtime().amqp()?,
             );
             let error = match tokio::time::timeout(CONNECT_TIMEOUT, attempt).await {
                 Ok(Ok(connection)) => {
@@ -104,7 +104,9 @@ impl AmqpAddresses {
                     }
                     return Ok(connection);
                 }
-                Ok(Err(e)) => tls_refusal(&e, &node.label).unwrap_or_else(|| e.into()),
+                Ok(Err(e)) => {
+                    tls_refusal(&e, &node.label).unwrap_or_else(|| BrokerError::from_client(e))
+                }
                 Err(_) => BrokerError::ConnectTimeout(node.label.clone()),
             };
             if self.nodes.len() > 1 {

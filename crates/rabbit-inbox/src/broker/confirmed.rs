@@ -7,14 +7,19 @@ use std::collections::HashSet;
 
 use futures::future::join_all;
 use lapin::{
-    Channel, Confirmation, Connection, ExchangeKind, PublisherConfirm,
+    Channel, Confirmation, Connection, PublisherConfirm,
     options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions},
     types::FieldTable,
 };
 use tokio::time::Instant;
 
-use super::{connect, headers::short, publish::OutgoingMessage};
-use crate::error::BrokerError;
+use super::{
+    connect,
+    headers::short,
+    publish::OutgoingMessage,
+    topology::{Exchange, declare_exchange},
+};
+use crate::error::{AmqpResult, BrokerError};
 
 /// One message for [`ConfirmedLink::publish_all`].
 pub(crate) struct Publication {
@@ -115,7 +120,27 @@ impl Outstanding {
 pub(crate) struct ConfirmedLink {
     amqp_url: String,
     connection_name: String,
+    /// Exchanges this link declares on each connection, and again when one goes missing.
+    declared: Vec<Exchange>,
     link: Option<Link>,
+}
+
+/// Why [`ConfirmedLink::connect`] failed: the connection, or the declaration of one of the
+/// link's exchanges (refused: another type or durability, no permission).
+#[derive(Debug)]
+pub(crate) struct ConnectFailed {
+    /// The exchange being declared; `None` when the connection itself failed.
+    pub(crate) exchange: Option<String>,
+    pub(crate) error: BrokerError,
+}
+
+impl std::fmt::Display for ConnectFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.exchange {
+            Some(exchange) => write!(f, "declaring exchange {exchange:?} failed: {}", self.error),
+            None => self.error.fmt(f),
+        }
+    }
 }
 
 struct Link {
@@ -124,13 +149,17 @@ struct Link {
     /// Exchanges seen to exist on this connection. Checked before publishing to them, because a
     /// publish to a missing exchange closes the channel and fails every publish after it.
     exchanges: HashSet<String>,
+    /// Whether the declared exchanges were declared on this connection.
+    declared: bool,
 }
 
 impl ConfirmedLink {
-    pub(crate) fn new(amqp_url: &str, connection_name: &str) -> Self {
+    /// A link that declares `declared` on every connection it opens.
+    pub(crate) fn new(amqp_url: &str, connection_name: &str, declared: Vec<Exchange>) -> Self {
         Self {
             amqp_url: amqp_url.to_owned(),
             connection_name: connection_name.to_owned(),
+            declared,
             link: None,
         }
     }
@@ -149,6 +178,7 @@ impl ConfirmedLink {
                 connection,
                 channel,
                 exchanges: HashSet::new(),
+                declared: false,
             });
         }
         self.link
@@ -156,9 +186,45 @@ impl ConfirmedLink {
             .ok_or_else(|| BrokerError::NotConfirmed("no publishing link".into()))
     }
 
-    /// Opens the connection and confirm channel if they are not open.
-    pub(crate) async fn connect(&mut self) -> Result<(), BrokerError> {
-        self.open().await.map(|_| ())
+    /// Opens the connection and confirm channel if they are not open, and declares the link's
+    /// exchanges once per connection.
+    pub(crate) async fn connect(&mut self) -> Result<(), ConnectFailed> {
+        let declared = self.declared.clone();
+        let link = self.open().await.map_err(|error| ConnectFailed {
+            exchange: None,
+            error,
+        })?;
+        if link.declared {
+            return Ok(());
+        }
+        for exchange in &declared {
+            if let Err(e) = declare_exchange(&link.channel, exchange).await {
+                // The refusal closed the channel: the next use reopens the link.
+                self.link = None;
+                return Err(ConnectFailed {
+                    exchange: Some(exchange.name.clone()),
+                    error: e,
+                });
+            }
+            link.exchanges.insert(exchange.name.clone());
+        }
+        link.declared = true;
+        Ok(())
+    }
+
+    /// Those of `exchanges` that do not exist (checked passively, once per connection for
+    /// the ones that do).
+    pub(crate) async fn missing(
+        &mut self,
+        exchanges: &[String],
+    ) -> Result<Vec<String>, BrokerError> {
+        let mut missing = Vec::new();
+        for exchange in exchanges {
+            if !self.exists(exchange).await? {
+                missing.push(exchange.clone());
+            }
+        }
+        Ok(missing)
     }
 
     /// Drops the link (its connection closes); the next use reconnects. For a round abandoned
@@ -247,7 +313,7 @@ impl ConfirmedLink {
     }
 
     /// The exchanges of `items` that do not exist, checked passively once per connection. A
-    /// failed check closes the channel; it is reopened for the next exchange.
+    /// declared exchange found missing (deleted while the relay runs) is declared again.
     async fn check_exchanges(
         &mut self,
         items: &[Publication],
@@ -259,38 +325,58 @@ impl ConfirmedLink {
             if exchange.is_empty() || missing.contains(exchange) {
                 continue;
             }
-            let link = self.open().await?;
-            if link.exchanges.contains(exchange) {
+            if short("exchange", exchange).is_err() {
+                continue; // reported per item as unpublishable
+            }
+            if self.exists(exchange).await? {
                 continue;
             }
-            let Ok(name) = short("exchange", exchange) else {
-                continue; // reported per item as unpublishable
-            };
-            let checked = link
-                .channel
-                .exchange_declare(
-                    name,
-                    ExchangeKind::Topic,
-                    ExchangeDeclareOptions {
-                        passive: true,
-                        ..ExchangeDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await;
-            match checked {
-                Ok(()) => {
+            match self.declared.iter().find(|x| &x.name == exchange).cloned() {
+                Some(declaration) => {
+                    let link = self.open().await?;
+                    declare_exchange(&link.channel, &declaration).await?;
                     link.exchanges.insert(exchange.clone());
+                    tracing::info!(exchange = %exchange, kind = %declaration.kind, "declared exchange was missing; declared it again");
                 }
-                Err(e) if is_not_found(&e) => {
+                None => {
                     missing.insert(exchange.clone());
-                    // The 404 closed the channel; the connection stays.
-                    link.channel = confirm_channel(&link.connection).await?;
                 }
-                Err(e) => return Err(e.into()),
             }
         }
         Ok(missing)
+    }
+
+    /// Whether `exchange` exists: a passive declare, remembered for the connection when it
+    /// does. A missing one closes the channel; it is reopened, the connection stays.
+    async fn exists(&mut self, exchange: &str) -> Result<bool, BrokerError> {
+        let link = self.open().await?;
+        if link.exchanges.contains(exchange) {
+            return Ok(true);
+        }
+        let checked = link
+            .channel
+            .exchange_declare(
+                short("exchange", exchange)?,
+                // Ignored by a passive declare.
+                lapin::ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    passive: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        match checked {
+            Ok(()) => {
+                link.exchanges.insert(exchange.to_owned());
+                Ok(true)
+            }
+            Err(e) if is_not_found(&e) => {
+                link.channel = confirm_channel(&link.connection).await?;
+                Ok(false)
+            }
+            Err(e) => Err(BrokerError::from_client(e)),
+        }
     }
 
     /// Closes the connection.
@@ -312,9 +398,10 @@ fn is_not_found(e: &lapin::Error) -> bool {
 }
 
 async fn confirm_channel(connection: &Connection) -> Result<Channel, BrokerError> {
-    let channel = connection.create_channel().await?;
+    let channel = connection.create_channel().await.amqp()?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
-        .await?;
+        .await
+        .amqp()?;
     Ok(channel)
 }

@@ -1,7 +1,8 @@
 //! AMQP header tables to JSON (for envelopes and the inbox row) and back (for publishing).
 
 use lapin::types::{
-    AMQPValue, FieldArray, FieldTable, LongString, ShortString, parsing::NESTED_TOO_DEEP,
+    AMQPValue, FieldArray, FieldTable, LongString, ShortString,
+    parsing::{NESTED_TOO_DEEP, parse_field_table},
 };
 use serde_json::{Map, Number, Value};
 
@@ -39,17 +40,16 @@ pub(crate) fn table_to_json(table: &FieldTable) -> (Map<String, Value>, Option<S
     (headers, too_deep)
 }
 
-/// The header conversion applied to every delivery, exposed for fuzzing: the JSON headers and
-/// why they are incomplete, if they are (see [`table_to_json`]).
+/// The header conversion applied to every delivery, from the headers table as AMQP encodes
+/// it (a 4-byte length, then the entries), exposed for fuzzing and tests: the JSON headers and
+/// why they are incomplete, if they are (see [`table_to_json`]). It parses with the same bounded
+/// parser deliveries go through; `None` when `encoded` is not exactly one field table.
 #[doc(hidden)]
-pub fn convert_headers(table: &FieldTable) -> (Map<String, Value>, Option<String>) {
-    table_to_json(table)
-}
-
-/// The JSON headers of [`convert_headers`] alone.
-#[doc(hidden)]
-pub fn headers_to_json(table: &FieldTable) -> Map<String, Value> {
-    table_to_json(table).0
+pub fn convert_encoded_headers(encoded: &[u8]) -> Option<(Map<String, Value>, Option<String>)> {
+    match parse_field_table(encoded) {
+        Ok(([], table)) => Some(table_to_json(&table)),
+        _ => None,
+    }
 }
 
 /// Whether `v` stands for a value nested too deep: the patched parser's marker (a short-string
@@ -308,6 +308,29 @@ mod tests {
         assert_eq!(j["bytes"], "dead");
         assert_eq!(j["dec"], 1.5);
         assert_eq!(j["bad"], "\u{fffd}a");
+    }
+
+    #[test]
+    fn encoded_headers_convert_as_the_parsed_table_does() {
+        let table = nested_tables(3, AMQPValue::Timestamp(7));
+        let encoded = lapin::types::generation::gen_field_table(&table)(Vec::new().into())
+            .expect("encodes")
+            .write;
+        assert_eq!(
+            convert_encoded_headers(&encoded),
+            Some(table_to_json(&table))
+        );
+        // Deeper than the bound on the wire: flagged, as a delivery's headers are.
+        let (json, too_deep) =
+            convert_encoded_headers(&wire_nested_arrays(MAX_HEADER_DEPTH + 5)).expect("parses");
+        assert!(too_deep.is_some());
+        assert_eq!(json_depth(&json).1, Value::String(HEADER_TOO_DEEP.into()));
+        // Not exactly one table: refused, not guessed at.
+        assert_eq!(convert_encoded_headers(&encoded[..encoded.len() - 1]), None);
+        assert_eq!(
+            convert_encoded_headers(&[&encoded[..], &[0]].concat()),
+            None
+        );
     }
 
     /// A headers table whose header `deep` nests tables `levels` deep, the headers table

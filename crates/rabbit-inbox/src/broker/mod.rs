@@ -5,7 +5,8 @@
 //! - `tls`: [`AmqpTls`], the CA file and client certificate of `amqps://` connections (and of
 //!   the management API over HTTPS, which the operator crate reads), carried in the AMQP URL's
 //!   query.
-//! - `topology`: [`Topology`], the queues a consumer uses, and declaring them.
+//! - `topology`: [`Topology`], the queues a consumer uses, and declaring them; [`Exchange`],
+//!   an exchange to declare (the outbox relay's destinations).
 //! - `publish`: confirmed publishing: the consumer runtime's own publishing connection,
 //!   [`Broker`] (the tool-side connection).
 //! - `session`: the consumer runtime's connections, its deliveries.
@@ -36,8 +37,8 @@ mod topology;
 
 pub use addresses::AmqpAddresses;
 pub(crate) use addresses::check_addresses;
-pub(crate) use confirmed::{ConfirmedLink, Outstanding, Publication, PublishResult};
-pub use headers::{convert_headers, headers_to_json};
+pub(crate) use confirmed::{ConfirmedLink, ConnectFailed, Outstanding, Publication, PublishResult};
+pub use headers::convert_encoded_headers;
 pub use parking::{ParkedMessage, ParkingLot, QueueDepth, Republished};
 pub(crate) use publish::check_publishable;
 pub use publish::{Broker, OutgoingMessage, QueueDepths};
@@ -46,7 +47,7 @@ pub(crate) use session::{ConnectionHandle, drop_connection};
 pub(crate) use session::{PendingDelivery, Session, SessionSettings, is_fatal};
 pub(crate) use settle::Settler;
 pub use tls::{AmqpTls, TlsFiles};
-pub use topology::{QueueType, Topology};
+pub use topology::{Exchange, ExchangeKind, QueueType, Topology};
 
 use lapin::Connection;
 

@@ -15,7 +15,11 @@ use super::{
     publish::{confirm_channel, publish_confirmed},
     session::amqp_message,
 };
-use crate::{envelope::AmqpMessage, error::BrokerError, status::parking_headers};
+use crate::{
+    envelope::AmqpMessage,
+    error::{AmqpResult, BrokerError},
+    status::parking_headers,
+};
 
 /// Headers a consumer adds to a parked copy to say why; a redriven message goes back without
 /// them.
@@ -131,7 +135,7 @@ impl ParkingLot {
         parking_queue: &str,
     ) -> Result<Self, BrokerError> {
         let connection = connect(amqp_url, "inboxctl parking lot").await?;
-        let reading = connection.create_channel().await?;
+        let reading = connection.create_channel().await.amqp()?;
         let publishing = confirm_channel(&connection).await?;
         let user = connection.status().username();
         Ok(Self {
@@ -157,7 +161,7 @@ impl ParkingLot {
     /// Messages ready in `queue`, `None` if it does not exist. A passive declare of a missing
     /// queue closes its channel, so each check gets a channel of its own.
     async fn depth(&self, queue: &str) -> Result<Option<u32>, BrokerError> {
-        let channel = self.connection.create_channel().await?;
+        let channel = self.connection.create_channel().await.amqp()?;
         let passive = QueueDeclareOptions {
             passive: true,
             ..QueueDeclareOptions::default()
@@ -168,7 +172,7 @@ impl ParkingLot {
         {
             Ok(q) => Some(q.message_count()),
             Err(e) if is_not_found(&e) => return Ok(None),
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(BrokerError::from_client(e)),
         };
         let _ = channel.close(200, "done".into()).await;
         Ok(depth)
@@ -198,7 +202,8 @@ impl ParkingLot {
                 self.parking_queue.as_str().into(),
                 BasicGetOptions { no_ack: false },
             )
-            .await?;
+            .await
+            .amqp()?;
         Ok(got.map(|get| ParkedMessage {
             message: amqp_message(&get.delivery),
             acker: get.delivery.acker.clone(),
@@ -214,13 +219,14 @@ impl ParkingLot {
                 multiple: false,
                 requeue: true,
             })
-            .await?;
+            .await
+            .amqp()?;
         Ok(())
     }
 
     /// Removes a held copy from the parking lot (acks it).
     pub async fn remove(&self, parked: ParkedMessage) -> Result<(), BrokerError> {
-        parked.acker.ack(BasicAckOptions::default()).await?;
+        parked.acker.ack(BasicAckOptions::default()).await.amqp()?;
         Ok(())
     }
 

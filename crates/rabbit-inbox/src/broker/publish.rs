@@ -14,14 +14,18 @@ use lapin::{
 };
 use serde_json::{Map, Value};
 
-use super::topology::Topology;
+use super::topology::{Exchange, Topology};
 use super::{
     connect,
     headers::{json_to_table, short},
     session::amqp_message,
     topology::declare,
 };
-use crate::{envelope::AmqpMessage, error::BrokerError, retry::RetryPolicy};
+use crate::{
+    envelope::AmqpMessage,
+    error::{AmqpResult, BrokerError},
+    retry::RetryPolicy,
+};
 
 /// A message to publish (producer side: examples, demos, tests, replays).
 #[derive(Clone, Debug, Default)]
@@ -95,10 +99,11 @@ impl Broker {
     /// Connects and opens a channel in publisher-confirm mode.
     pub async fn connect(amqp_url: &str, connection_name: &str) -> Result<Self, BrokerError> {
         let connection = connect(amqp_url, connection_name).await?;
-        let channel = connection.create_channel().await?;
+        let channel = connection.create_channel().await.amqp()?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+            .await
+            .amqp()?;
         Ok(Self {
             connection,
             channel,
@@ -119,6 +124,12 @@ impl Broker {
     /// Declares a durable topic exchange, such as the one a service's outbox publishes its
     /// events to. Idempotent.
     pub async fn declare_exchange(&self, exchange: &str) -> Result<(), BrokerError> {
+        self.declare_exchange_as(&Exchange::topic(exchange)).await
+    }
+
+    /// Declares `exchange` with its type and durability. Idempotent; an exchange that exists
+    /// with another type or durability is an error (PRECONDITION_FAILED).
+    pub async fn declare_exchange_as(&self, exchange: &Exchange) -> Result<(), BrokerError> {
         super::topology::declare_exchange(&self.channel, exchange).await
     }
 
@@ -176,11 +187,12 @@ impl Broker {
                         &message.body,
                         properties,
                     )
-                    .await?;
+                    .await
+                    .amqp()?;
                 confirms.push(confirm);
             }
             for confirm in confirms {
-                if !matches!(confirm.await?, Confirmation::Ack(None)) {
+                if !matches!(confirm.await.amqp()?, Confirmation::Ack(None)) {
                     return Err(BrokerError::NotConfirmed(format!("exchange {exchange:?}")));
                 }
             }
@@ -202,7 +214,8 @@ impl Broker {
             Ok(self
                 .channel
                 .queue_declare(queue.into(), passive, FieldTable::default())
-                .await?
+                .await
+                .amqp()?
                 .message_count())
         };
         let mut retrying = 0u32;
@@ -222,12 +235,17 @@ impl Broker {
         let got = self
             .channel
             .basic_get(queue.into(), lapin::options::BasicGetOptions::default())
-            .await?;
+            .await
+            .amqp()?;
         match got {
             None => Ok(None),
             Some(get) => {
                 let message = amqp_message(&get.delivery);
-                get.delivery.acker.ack(BasicAckOptions::default()).await?;
+                get.delivery
+                    .acker
+                    .ack(BasicAckOptions::default())
+                    .await
+                    .amqp()?;
                 Ok(Some(message))
             }
         }
@@ -248,12 +266,14 @@ impl Broker {
         for q in &queues {
             self.channel
                 .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-                .await?;
+                .await
+                .amqp()?;
         }
         if let Some(exchange) = &topology.exchange {
             self.channel
                 .exchange_delete(exchange.as_str().into(), Default::default())
-                .await?;
+                .await
+                .amqp()?;
         }
         Ok(())
     }
@@ -280,10 +300,11 @@ struct PublishLink {
 }
 
 pub(super) async fn confirm_channel(connection: &Connection) -> Result<Channel, BrokerError> {
-    let channel = connection.create_channel().await?;
+    let channel = connection.create_channel().await.amqp()?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
-        .await?;
+        .await
+        .amqp()?;
     Ok(channel)
 }
 
@@ -372,8 +393,10 @@ pub(super) async fn publish_confirmed(
             body,
             properties,
         )
-        .await?
-        .await?;
+        .await
+        .amqp()?
+        .await
+        .amqp()?;
     match confirm {
         Confirmation::Ack(None) => Ok(()),
         Confirmation::Ack(Some(_)) | Confirmation::Nack(_) | Confirmation::NotRequested => {

@@ -15,7 +15,11 @@ use super::topology::Topology;
 use super::{
     connect, frames, headers::table_to_json, publish::Publisher, settle::Settler, topology::declare,
 };
-use crate::{envelope::AmqpMessage, error::BrokerError, retry::RetryPolicy};
+use crate::{
+    envelope::AmqpMessage,
+    error::{AmqpResult, BrokerError},
+    retry::RetryPolicy,
+};
 
 /// A delivery waiting for its outcome. Holds the acker; only [`settle`] uses it.
 pub(crate) struct PendingDelivery {
@@ -105,7 +109,7 @@ pub(crate) struct Session {
 /// declared elsewhere with other arguments, a missing permission).
 pub(crate) fn is_fatal(e: &BrokerError) -> bool {
     match e {
-        BrokerError::Amqp(e) => match e.kind() {
+        BrokerError::Amqp(e) => match e.client().kind() {
             lapin::ErrorKind::ProtocolError(amqp) => matches!(
                 amqp.kind(),
                 lapin::protocol::AMQPErrorKind::Soft(
@@ -151,11 +155,12 @@ impl Session {
     ) -> Result<Self, BrokerError> {
         let connection =
             connect(amqp_url, &format!("rabbit-inbox {}", config.consumer_name)).await?;
-        let channel = connection.create_channel().await?;
+        let channel = connection.create_channel().await.amqp()?;
         declare(&channel, config.topology, config.retry).await?;
         channel
             .basic_qos(config.prefetch, BasicQosOptions::default())
-            .await?;
+            .await
+            .amqp()?;
         let publisher = Arc::new(
             Publisher::open(
                 amqp_url,
@@ -170,7 +175,8 @@ impl Session {
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
             )
-            .await?;
+            .await
+            .amqp()?;
         let frame_max = connection.configuration().frame_max();
         Ok(Self {
             connection: Arc::new(connection),
@@ -194,7 +200,7 @@ impl Session {
     ) -> Option<Result<(PendingDelivery, AmqpMessage), BrokerError>> {
         match self.deliveries.next().await? {
             Ok(delivery) => Some(Ok(PendingDelivery::new(delivery, self.frame_max))),
-            Err(e) => Some(Err(e.into())),
+            Err(e) => Some(Err(BrokerError::from_client(e))),
         }
     }
 

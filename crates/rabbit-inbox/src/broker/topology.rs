@@ -1,7 +1,8 @@
-//! Declaring a consumer's queues (and exchange) on the broker.
+//! Declaring a consumer's queues (and exchange) on the broker, and the exchanges an outbox
+//! publishes to.
 
 use lapin::{
-    Channel, ExchangeKind,
+    Channel,
     options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions},
     types::{AMQPValue, FieldTable},
 };
@@ -9,7 +10,10 @@ use lapin::{
 use super::headers::long_string;
 use std::time::Duration;
 
-use crate::{error::BrokerError, retry::RetryPolicy};
+use crate::{
+    error::{AmqpResult, BrokerError},
+    retry::RetryPolicy,
+};
 
 /// The queues a consumer declares and uses.
 ///
@@ -186,7 +190,8 @@ pub(super) async fn declare(
     }
     channel
         .queue_declare(topology.queue.as_str().into(), durable, work)
-        .await?;
+        .await
+        .amqp()?;
     // Retry tiers: no consumer; messages expire after the tier's delay and dead-letter back.
     for (tier, delay) in tiers.iter().zip(&retry.delays) {
         let mut args = dead_lettering_args(topology, &topology.queue);
@@ -194,7 +199,8 @@ pub(super) async fn declare(
         args.insert("x-message-ttl".into(), AMQPValue::LongUInt(delay_ms));
         channel
             .queue_declare(tier.as_str().into(), durable, args)
-            .await?;
+            .await
+            .amqp()?;
     }
     channel
         .queue_declare(
@@ -202,9 +208,10 @@ pub(super) async fn declare(
             durable,
             queue_args(topology),
         )
-        .await?;
+        .await
+        .amqp()?;
     if let Some(exchange) = &topology.exchange {
-        declare_exchange(channel, exchange).await?;
+        declare_exchange(channel, &Exchange::topic(exchange.as_str())).await?;
         for key in &topology.binding_keys {
             channel
                 .queue_bind(
@@ -214,25 +221,107 @@ pub(super) async fn declare(
                     QueueBindOptions::default(),
                     FieldTable::default(),
                 )
-                .await?;
+                .await
+                .amqp()?;
         }
     }
     Ok(())
 }
 
-/// Declares a durable topic exchange (idempotent).
-pub(super) async fn declare_exchange(channel: &Channel, exchange: &str) -> Result<(), BrokerError> {
+/// The type of an exchange: how it routes a message to the queues bound to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ExchangeKind {
+    /// To the queues bound with the message's routing key.
+    Direct,
+    /// To the queues whose binding pattern (`orders.*`, `#`) matches the routing key.
+    Topic,
+    /// To every queue bound, whatever the routing key.
+    Fanout,
+    /// By header values instead of the routing key.
+    Headers,
+}
+
+impl ExchangeKind {
+    /// The AMQP name of the type: `direct`, `topic`, `fanout`, `headers`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExchangeKind::Direct => "direct",
+            ExchangeKind::Topic => "topic",
+            ExchangeKind::Fanout => "fanout",
+            ExchangeKind::Headers => "headers",
+        }
+    }
+
+    fn client(self) -> lapin::ExchangeKind {
+        match self {
+            ExchangeKind::Direct => lapin::ExchangeKind::Direct,
+            ExchangeKind::Topic => lapin::ExchangeKind::Topic,
+            ExchangeKind::Fanout => lapin::ExchangeKind::Fanout,
+            ExchangeKind::Headers => lapin::ExchangeKind::Headers,
+        }
+    }
+}
+
+impl std::fmt::Display for ExchangeKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An exchange to declare: its name, type and durability. Declaring is idempotent; an
+/// exchange that exists with another type or durability is refused by the broker
+/// (PRECONDITION_FAILED), and left as it is.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct Exchange {
+    /// The exchange's name (at most 255 bytes).
+    pub name: String,
+    /// How it routes.
+    pub kind: ExchangeKind,
+    /// Whether it survives a broker restart.
+    pub durable: bool,
+}
+
+impl Exchange {
+    /// A durable exchange of `kind` named `name`.
+    pub fn new(name: impl Into<String>, kind: ExchangeKind) -> Self {
+        Self {
+            name: name.into(),
+            kind,
+            durable: true,
+        }
+    }
+
+    /// A durable topic exchange named `name`, the usual kind for events.
+    pub fn topic(name: impl Into<String>) -> Self {
+        Self::new(name, ExchangeKind::Topic)
+    }
+
+    /// The same exchange, not durable: gone after a broker restart.
+    pub fn transient(mut self) -> Self {
+        self.durable = false;
+        self
+    }
+}
+
+/// Declares `exchange` (idempotent).
+pub(super) async fn declare_exchange(
+    channel: &Channel,
+    exchange: &Exchange,
+) -> Result<(), BrokerError> {
     channel
         .exchange_declare(
-            super::headers::short("exchange", exchange)?,
-            ExchangeKind::Topic,
+            super::headers::short("exchange", &exchange.name)?,
+            exchange.kind.client(),
             ExchangeDeclareOptions {
-                durable: true,
+                durable: exchange.durable,
                 ..ExchangeDeclareOptions::default()
             },
             FieldTable::default(),
         )
-        .await?;
+        .await
+        .amqp()?;
     Ok(())
 }
 

@@ -18,6 +18,7 @@
 //! message id, which the downstream inbox dedups.
 
 use std::{
+    collections::HashMap,
     future::Future,
     sync::{
         Arc, Mutex, PoisonError,
@@ -42,8 +43,10 @@ use super::{
 };
 use crate::{
     backoff::Backoff,
-    broker::{ConfirmedLink, Outstanding, Publication, PublishResult},
-    error::{ConfigError, StoreError},
+    broker::{
+        ConfirmedLink, ConnectFailed, Exchange, Outstanding, Publication, PublishResult, is_fatal,
+    },
+    error::{BrokerError, ConfigError, StoreError},
     schema::SchemaName,
     telemetry::metrics as m,
 };
@@ -86,6 +89,14 @@ pub struct RelayConfig {
     pub reconnect_initial_delay: Duration,
     /// Longest such delay.
     pub reconnect_max_delay: Duration,
+    /// Exchanges the relay declares before it publishes (idempotent), again on every
+    /// reconnect, and again if one is deleted while it runs: the destinations this service
+    /// owns. One that exists with another type or durability fails [`Relay::run`] at start.
+    pub declared_exchanges: Vec<Exchange>,
+    /// Exchanges that must exist before the relay publishes, checked passively (not
+    /// declared): destinations another service owns. A missing one fails [`Relay::run`] at
+    /// start, naming it.
+    pub required_exchanges: Vec<String>,
 }
 
 impl RelayConfig {
@@ -108,7 +119,21 @@ impl RelayConfig {
             maintenance_interval: Duration::from_secs(5),
             reconnect_initial_delay: Duration::from_millis(200),
             reconnect_max_delay: Duration::from_secs(10),
+            declared_exchanges: Vec::new(),
+            required_exchanges: Vec::new(),
         }
+    }
+
+    /// The same settings, with `exchange` among the exchanges the relay declares.
+    pub fn with_declared_exchange(mut self, exchange: Exchange) -> Self {
+        self.declared_exchanges.push(exchange);
+        self
+    }
+
+    /// The same settings, with `exchange` among the exchanges that must exist at start.
+    pub fn with_required_exchange(mut self, exchange: impl Into<String>) -> Self {
+        self.required_exchanges.push(exchange.into());
+        self
     }
 
     /// Checks the settings.
@@ -151,6 +176,24 @@ impl RelayConfig {
                 "must be positive and at most retry_max_delay",
             );
         }
+        let names = self
+            .declared_exchanges
+            .iter()
+            .map(|x| (x.name.as_str(), "relay.declared_exchanges"))
+            .chain(
+                self.required_exchanges
+                    .iter()
+                    .map(|x| (x.as_str(), "relay.required_exchanges")),
+            );
+        for (exchange, setting) in names {
+            if exchange.is_empty() || exchange.len() > 255 {
+                // The default exchange ("") always exists and cannot be declared.
+                return invalid(
+                    setting,
+                    "exchange names must be 1 to 255 bytes (the default exchange needs no entry)",
+                );
+            }
+        }
         Ok(())
     }
 }
@@ -162,6 +205,37 @@ pub enum RelayError {
     /// The configuration is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// Exchanges in [`RelayConfig::required_exchanges`] do not exist on the broker.
+    #[error(
+        "the outbox relay's required exchanges do not exist: {}; declare them on the broker, \
+         or move them to RelayConfig::declared_exchanges so the relay declares them, and start \
+         the relay again",
+        .exchanges.iter().map(|x| format!("{x:?}")).collect::<Vec<_>>().join(", ")
+    )]
+    ExchangesMissing {
+        /// The missing exchanges' names.
+        exchanges: Vec<String>,
+    },
+    /// The broker refused to declare an exchange of [`RelayConfig::declared_exchanges`]: it
+    /// exists with another type or durability, or the user may not declare it.
+    #[error(
+        "the broker refused to declare exchange {exchange:?} for the outbox relay ({error}); \
+         declare it in RelayConfig::declared_exchanges as it is on the broker (type and \
+         durability), or delete it there, or grant the user configure permission on it"
+    )]
+    ExchangeRefused {
+        /// The exchange's name.
+        exchange: String,
+        /// What the broker said.
+        #[source]
+        error: BrokerError,
+    },
+    /// The broker refused the relay's connection or its exchange checks in a way retrying
+    /// cannot fix (no permission, invalid TLS settings).
+    #[error(
+        "the outbox relay cannot use the broker ({0}); fix the user's permissions or the connection settings"
+    )]
+    Broker(#[source] BrokerError),
 }
 
 /// Live counters of one relay. Clone the `Arc` from [`Relay::stats`].
@@ -311,6 +385,48 @@ enum Claimed {
     BrokerDown(String),
 }
 
+/// Exchanges found missing at run time, each warned about at most once per back-off period
+/// (the rows' retry delays, doubling), not once per message or batch.
+struct MissingExchanges {
+    initial: Duration,
+    max: Duration,
+    /// Per exchange: when the next warning is due, and the period after it.
+    warned: HashMap<String, (Instant, Duration)>,
+}
+
+impl MissingExchanges {
+    fn new(initial: Duration, max: Duration) -> Self {
+        Self {
+            initial,
+            max,
+            warned: HashMap::new(),
+        }
+    }
+
+    /// Whether a warning about `exchange` is due now; if so, the next one is one period away
+    /// and the period doubles (up to the max).
+    fn warning_due(&mut self, exchange: &str, now: Instant) -> Option<Duration> {
+        match self.warned.get_mut(exchange) {
+            None => {
+                self.warned
+                    .insert(exchange.to_owned(), (now + self.initial, self.initial));
+                Some(self.initial)
+            }
+            Some((due, period)) if now >= *due => {
+                *period = (*period * 2).min(self.max);
+                *due = now + *period;
+                Some(*period)
+            }
+            Some(_) => None,
+        }
+    }
+
+    /// `exchange` took a publish: whether it had been missing.
+    fn found(&mut self, exchange: &str) -> bool {
+        self.warned.remove(exchange).is_some()
+    }
+}
+
 /// What the settling half tells the claiming half.
 #[derive(Default)]
 struct Feedback {
@@ -366,7 +482,13 @@ impl Relay {
         } else {
             Wakeups::polling()
         };
-        let mut link = ConfirmedLink::new(&self.amqp_url, &c.name);
+        let mut link = ConfirmedLink::new(&self.amqp_url, &c.name, c.declared_exchanges.clone());
+        let shutdown = shutdown.fuse();
+        let mut shutdown = std::pin::pin!(shutdown);
+        if !self.prepare_exchanges(&mut link, &mut shutdown).await? {
+            link.close().await;
+            return Ok(()); // shut down before the broker was reachable
+        }
         let feedback = Feedback::default();
         let (hand_over, settling) = mpsc::unbounded_channel();
         tracing::info!(relay = %c.name, schema = %c.schema, window = c.window, "relaying the outbox");
@@ -377,6 +499,63 @@ impl Relay {
         // Only now: the settling half needed the connection for the last confirms.
         link.close().await;
         Ok(())
+    }
+
+    /// Declares the configured exchanges and checks the required ones, before anything is
+    /// claimed. An unreachable broker is waited for (with back-off); a refusal or a missing
+    /// exchange ends the relay with an error naming it. `false` when `shutdown` came first.
+    async fn prepare_exchanges(
+        &self,
+        link: &mut ConfirmedLink,
+        shutdown: &mut (impl futures::future::FusedFuture<Output = ()> + Unpin),
+    ) -> Result<bool, RelayError> {
+        let c = &self.config;
+        if c.declared_exchanges.is_empty() && c.required_exchanges.is_empty() {
+            return Ok(true);
+        }
+        let backoff = Backoff::new(c.reconnect_initial_delay, c.reconnect_max_delay);
+        loop {
+            let checked = match link.connect().await {
+                Ok(()) => {
+                    link.missing(&c.required_exchanges)
+                        .await
+                        .map_err(|error| ConnectFailed {
+                            exchange: None,
+                            error,
+                        })
+                }
+                Err(e) => Err(e),
+            };
+            let failed = match checked {
+                Ok(missing) if missing.is_empty() => {
+                    tracing::info!(
+                        relay = %c.name,
+                        declared = c.declared_exchanges.len(),
+                        checked = c.required_exchanges.len(),
+                        "the outbox relay's exchanges are in place"
+                    );
+                    return Ok(true);
+                }
+                Ok(missing) => return Err(RelayError::ExchangesMissing { exchanges: missing }),
+                Err(failed) => failed,
+            };
+            if is_fatal(&failed.error) {
+                return Err(match failed.exchange {
+                    Some(exchange) => RelayError::ExchangeRefused {
+                        exchange,
+                        error: failed.error,
+                    },
+                    None => RelayError::Broker(failed.error),
+                });
+            }
+            let delay = backoff.failed();
+            tracing::warn!(error = %failed, retry_in = ?delay, relay = %c.name, "broker unavailable to the outbox relay at start; its exchanges are declared and checked once the broker is back");
+            tokio::select! {
+                biased;
+                () = &mut *shutdown => return Ok(false),
+                () = tokio::time::sleep(delay) => {}
+            }
+        }
     }
 
     /// The claiming half: claims and publishes batches while the window has room; stops at
@@ -538,6 +717,7 @@ impl Relay {
             max: c.retry_max_delay,
             release_after: c.reconnect_initial_delay,
         };
+        let mut missing = MissingExchanges::new(c.retry_initial_delay, c.retry_max_delay);
         while let Some(batch) = settling.recv().await {
             let InFlight {
                 rows,
@@ -584,6 +764,8 @@ impl Relay {
             match changed {
                 Ok(changed) => {
                     self.count(&rows, &settled, &changed, confirmed_after);
+                    self.report_missing_exchanges(&mut missing, &rows, &results)
+                        .await;
                     let ordered_sent = rows.iter().zip(&settled).any(|(row, (seq, _, how))| {
                         row.ordered && *how == Settlement::Sent && changed.contains(seq)
                     });
@@ -601,6 +783,55 @@ impl Relay {
                     "outbox rows published but not marked; they are published again after the lease"
                 ),
             }
+        }
+    }
+
+    /// Logs the exchanges this batch found missing, each at most once per back-off period,
+    /// with the rows waiting for it and what to do; and the ones that are back.
+    async fn report_missing_exchanges(
+        &self,
+        missing: &mut MissingExchanges,
+        rows: &[ClaimedRow],
+        results: &[PublishResult],
+    ) {
+        let c = &self.config;
+        let now = Instant::now();
+        let mut due = Vec::new();
+        for (row, result) in rows.iter().zip(results) {
+            match result {
+                PublishResult::ExchangeMissing => {
+                    if due.iter().all(|(x, _)| x != &row.exchange)
+                        && let Some(period) = missing.warning_due(&row.exchange, now)
+                    {
+                        due.push((row.exchange.clone(), period));
+                    }
+                }
+                PublishResult::Confirmed | PublishResult::Returned(_)
+                    if missing.found(&row.exchange) =>
+                {
+                    tracing::info!(relay = %c.name, exchange = %row.exchange, "the exchange the outbox rows waited for exists now; publishing them");
+                }
+                _ => {}
+            }
+        }
+        for (exchange, next_warning_in) in due {
+            let waiting = match self.pool.acquire().await {
+                Ok(mut conn) => self.store.pending_for_exchange(&mut conn, &exchange).await,
+                Err(e) => Err(e.into()),
+            };
+            // Without the database, the batch's own rows are a lower bound.
+            let rows_waiting = waiting
+                .unwrap_or_else(|_| rows.iter().filter(|r| r.exchange == exchange).count() as i64);
+            tracing::warn!(
+                relay = %c.name,
+                exchange = %exchange,
+                rows_waiting,
+                next_warning_in = ?next_warning_in,
+                "outbox rows wait for exchange {exchange:?}, which does not exist: declare it on \
+                 the broker, or add it to RelayConfig::declared_exchanges so the relay declares \
+                 it; until then each publish to it is charged an attempt (exchange_missing), and \
+                 a row is FAILED after max_attempts"
+            );
         }
     }
 
@@ -792,5 +1023,41 @@ mod tests {
             rejected(|c| c.confirm_timeout = c.lease),
             Some("relay.lease")
         );
+        assert_eq!(
+            rejected(|c| c.declared_exchanges.push(Exchange::topic(""))),
+            Some("relay.declared_exchanges")
+        );
+        assert_eq!(
+            rejected(|c| c.required_exchanges.push("x".repeat(256))),
+            Some("relay.required_exchanges")
+        );
+        assert_eq!(
+            rejected(|c| {
+                *c = c
+                    .clone()
+                    .with_declared_exchange(Exchange::topic("orders"))
+                    .with_required_exchange("billing");
+            }),
+            None
+        );
+    }
+
+    #[test]
+    fn a_missing_exchange_is_warned_about_once_per_doubling_period() {
+        let second = Duration::from_secs(1);
+        let mut missing = MissingExchanges::new(second, 4 * second);
+        let t0 = Instant::now();
+        assert_eq!(missing.warning_due("a", t0), Some(second));
+        // Not again within the period, whatever the number of rows; another exchange has its own.
+        assert_eq!(missing.warning_due("a", t0 + second / 2), None);
+        assert_eq!(missing.warning_due("b", t0 + second / 2), Some(second));
+        assert_eq!(missing.warning_due("a", t0 + second), Some(2 * second));
+        assert_eq!(missing.warning_due("a", t0 + 2 * second), None);
+        assert_eq!(missing.warning_due("a", t0 + 3 * second), Some(4 * second));
+        assert_eq!(missing.warning_due("a", t0 + 7 * second), Some(4 * second));
+        // Back, then missing again: warned at once.
+        assert!(missing.found("a"));
+        assert!(!missing.found("a"));
+        assert_eq!(missing.warning_due("a", t0 + 8 * second), Some(second));
     }
 }

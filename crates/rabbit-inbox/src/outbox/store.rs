@@ -193,6 +193,7 @@ struct Sql {
     list: SqlStr,
     requeue_failed: SqlStr,
     cleanup: SqlStr,
+    pending_for_exchange: SqlStr,
 }
 
 const RECORD_COLUMNS: &str = "seq, message_id, status, message_type, exchange, routing_key, \
@@ -294,6 +295,9 @@ impl Sql {
             requeue_failed: audited(format!(
                 "UPDATE {t} SET status = 'PENDING', attempts = 0, next_attempt_at = now() \
                  WHERE status = 'FAILED' AND ($1::text[] IS NULL OR message_id = ANY($1))"
+            )),
+            pending_for_exchange: audited(format!(
+                "SELECT count(*) FROM {t} WHERE status = 'PENDING' AND exchange = $1"
             )),
             cleanup: audited(format!(
                 "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} WHERE status = 'SENT' \
@@ -471,6 +475,18 @@ impl OutboxStore {
             failed: r.try_get("failed")?,
             oldest_pending_secs: r.try_get("oldest")?,
         })
+    }
+
+    /// PENDING rows to be published to `exchange`.
+    pub(crate) async fn pending_for_exchange(
+        &self,
+        conn: &mut PgConnection,
+        exchange: &str,
+    ) -> Result<i64, StoreError> {
+        Ok(sqlx::query_scalar(self.sql.pending_for_exchange.clone())
+            .bind(exchange)
+            .fetch_one(conn)
+            .await?)
     }
 
     /// Rows with one of `statuses`, oldest first, at most `limit`.

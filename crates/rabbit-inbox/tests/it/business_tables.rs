@@ -28,7 +28,10 @@ impl Handler for Deposits {
         }
         let d: Deposit = msg.decode()?;
         if d.account == "refuse" {
-            return Err(HandlerError::permanent("refused", "account refuses deposits"));
+            return Err(HandlerError::permanent(
+                "refused",
+                "account refuses deposits",
+            ));
         }
         if d.account == "later" && msg.attempt() == 1 {
             return Err(HandlerError::retryable("not_yet", "account not open yet"));

@@ -22,6 +22,7 @@ mod metric_catalog;
 mod outbox;
 mod oversized_frames;
 mod privacy;
+mod public_api;
 mod router;
 mod session_losses;
 mod simultaneous_migrate;

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use inbox_testkit::env::{TestEnv, header, thing};
 use rabbit_inbox::{
-    EnvelopeRules, InboxStatus, broker::OutgoingMessage, broker::headers_to_json,
+    EnvelopeRules, InboxStatus, broker::OutgoingMessage, broker::convert_encoded_headers,
     dedup::DedupStrategy, dedup::MAX_KEY_LEN, envelope::AmqpMessage, envelope::TYPE_HEADER,
     envelope::VERSION_HEADER, envelope::parse, status::parking_headers,
 };
@@ -444,7 +444,7 @@ fn amqp_header_values_are_classified_after_conversion() {
         let m = AmqpMessage {
             message_id: Some("m".into()),
             kind: Some("Thing".into()),
-            headers: headers_to_json(&table),
+            headers: headers_json(&table),
             body: b"{}".to_vec(),
             ..AmqpMessage::default()
         };
@@ -467,7 +467,7 @@ fn key_headers_that_are_not_utf8_are_refused_not_collided() {
             AMQPValue::LongString(LongString::from(raw.to_vec())),
         );
         let m = AmqpMessage {
-            headers: headers_to_json(&table),
+            headers: headers_json(&table),
             body: b"{}".to_vec(),
             ..AmqpMessage::default()
         };
@@ -477,6 +477,15 @@ fn key_headers_that_are_not_utf8_are_refused_not_collided() {
     assert_eq!(key(&[b'e', 0xfe]), Expect::Parked("malformed_message_id"));
     // Valid UTF-8 in the same header is a key.
     assert_eq!(key("e-\u{e9}".as_bytes()), Expect::Processed("unknown"));
+}
+
+/// `table` as the library converts a delivery's headers: encoded as on the wire, then
+/// parsed and converted.
+fn headers_json(table: &lapin::types::FieldTable) -> Map<String, Value> {
+    let encoded = lapin::types::generation::gen_field_table(table)(Vec::new().into())
+        .expect("encodes")
+        .write;
+    convert_encoded_headers(&encoded).expect("one table").0
 }
 
 /// Starts a consumer with `dedup`, publishes `cases` and then one valid message, and checks

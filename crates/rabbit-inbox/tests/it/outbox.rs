@@ -1,6 +1,7 @@
 //! The outbox against the real servers: enqueue through the handler's transaction with
 //! deterministic ids, the relay's confirms and returns, fencing between relays, order per key,
-//! the wake-up after commit, and a republish deduped by the downstream inbox.
+//! the wake-up after commit, a republish deduped by the downstream inbox, and the relay's
+//! destination exchanges (declared, required, missing at run time).
 
 // Shared with the other integration tests; not every helper is used here.
 
@@ -9,8 +10,10 @@ use std::{collections::HashMap, sync::Arc, time::Duration};
 use inbox_testkit::env::{DEADLINE, TestEnv, amqp_url, header, wait_for};
 use rabbit_inbox::{
     Consumer, Handler, HandlerError, InboxMessage, Outbox, OutboxError, OutboxMessage, Relay,
-    RelayConfig, Runner, Topology, envelope::AmqpMessage, outbox::OutboxStatus,
-    outbox::OutboxStore, outbox::RelayStats, outbox::emitted_message_id,
+    RelayConfig, Runner, Topology,
+    broker::{Exchange, ExchangeKind},
+    envelope::AmqpMessage,
+    outbox::{OutboxStatus, OutboxStore, RelayError, RelayStats, emitted_message_id},
 };
 use serde_json::{Value, json};
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
@@ -917,4 +920,198 @@ async fn sent_rows_are_removed_after_the_retention() {
     })
     .await;
     relay.stop().await;
+}
+
+/// `exchange`, which the test creates (or its relay does), deleted with the test's
+/// topologies: a registration whose queues never exist.
+fn delete_at_end(env: &TestEnv, exchange: &str) {
+    env.register(
+        Topology::new(format!("{exchange}-unused")).with_exchange(exchange.to_owned(), &[]),
+    );
+}
+
+/// Binds `queue` to `exchange` with `key`; false while the exchange does not exist.
+async fn bind(exchange: &str, queue: &str, key: &str) -> bool {
+    let connection =
+        lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+            .await
+            .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    let bound = channel
+        .queue_bind(
+            queue.into(),
+            exchange.into(),
+            key.into(),
+            lapin::options::QueueBindOptions::default(),
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .is_ok();
+    let _ = connection.close(200, "done".into()).await;
+    bound
+}
+
+#[tokio::test]
+async fn a_declared_exchange_is_created_at_start_with_its_type_and_routes_the_outbox() {
+    let env = TestEnv::new().await;
+    let exchange = env.exchange_name("declared");
+    delete_at_end(&env, &exchange);
+    let queue = target(&env, "declared-target").await.queue;
+    assert!(
+        !bind(&exchange, &queue, "").await,
+        "the exchange does not exist before the relay starts"
+    );
+    let config = relay_config(&env)
+        .with_declared_exchange(Exchange::new(exchange.clone(), ExchangeKind::Fanout));
+    let relay = RunningRelay::start(&env, config);
+    wait_for("the relay to declare the exchange", async || {
+        bind(&exchange, &queue, "").await
+    })
+    .await;
+
+    // A fanout exchange routes whatever the routing key; a topic or direct one would return
+    // this message (bound with "" only), and the row would not be SENT.
+    let mut conn = env.pool.acquire().await.expect("connection");
+    Outbox::new(env.schema.clone())
+        .enqueue(
+            &mut conn,
+            &OutboxMessage::json("Fanned", &exchange, "any.key", &json!({"n": 1}))
+                .expect("json")
+                .with_id("fanned"),
+        )
+        .await
+        .expect("enqueue");
+    let got = take(&env, &queue, 1).await;
+    assert_eq!(got[0].message_id.as_deref(), Some("fanned"));
+    let s = relay.stop().await;
+    assert_eq!((s.published, s.returned, s.exchange_missing), (1, 0, 0));
+}
+
+#[tokio::test]
+async fn a_required_exchange_that_is_missing_fails_the_start_naming_it() {
+    let env = TestEnv::new().await;
+    let present = env.exchange_name("present");
+    let absent = env.exchange_name("absent");
+    delete_at_end(&env, &present);
+    env.broker
+        .declare_exchange(&present)
+        .await
+        .expect("declare the present exchange");
+    let mut conn = env.pool.acquire().await.expect("connection");
+    Outbox::new(env.schema.clone())
+        .enqueue(
+            &mut conn,
+            &OutboxMessage::json("Waits", &absent, "k", &json!({}))
+                .expect("json")
+                .with_id("waits"),
+        )
+        .await
+        .expect("enqueue");
+
+    let config = relay_config(&env)
+        .with_required_exchange(present.clone())
+        .with_required_exchange(absent.clone());
+    let relay = Relay::new(amqp_url(), env.pool.clone(), config).expect("valid config");
+    let error = tokio::time::timeout(DEADLINE, relay.run(std::future::pending()))
+        .await
+        .expect("the relay ends at start")
+        .expect_err("a required exchange is missing");
+    match &error {
+        RelayError::ExchangesMissing { exchanges } => {
+            assert_eq!(exchanges, std::slice::from_ref(&absent))
+        }
+        other => panic!("unexpected error: {other}"),
+    }
+    let text = error.to_string();
+    assert!(
+        text.contains(&format!("{absent:?}")) && !text.contains(&present),
+        "{text}"
+    );
+    assert!(
+        text.contains("declare them") && text.contains("declared_exchanges"),
+        "{text}"
+    );
+    // Nothing was claimed or charged.
+    let store = OutboxStore::new(env.schema.clone());
+    let rows = store
+        .list(&mut conn, &[OutboxStatus::Pending], 10)
+        .await
+        .expect("list");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(
+        (rows[0].attempts, rows[0].lease_owner.as_deref()),
+        (0, None)
+    );
+
+    // An exchange declared with another type than the one it has is refused, and named.
+    let config = relay_config(&env)
+        .with_declared_exchange(Exchange::new(present.clone(), ExchangeKind::Direct));
+    let relay = Relay::new(amqp_url(), env.pool.clone(), config).expect("valid config");
+    let error = tokio::time::timeout(DEADLINE, relay.run(std::future::pending()))
+        .await
+        .expect("the relay ends at start")
+        .expect_err("the declaration is refused");
+    assert!(
+        matches!(&error, RelayError::ExchangeRefused { exchange, .. } if exchange == &present),
+        "{error}"
+    );
+    assert!(error.to_string().contains("PRECONDITION_FAILED"), "{error}");
+}
+
+#[tokio::test]
+async fn a_missing_exchange_at_run_time_is_warned_about_once_per_back_off_period() {
+    let (logs, _guard) = crate::capture::capture_logs("rabbit_inbox=warn");
+    let env = TestEnv::new().await;
+    let exchange = env.exchange_name("nowhere");
+    let outbox = Outbox::new(env.schema.clone());
+    let mut conn = env.pool.acquire().await.expect("connection");
+    const ROWS: u64 = 10;
+    for i in 0..ROWS {
+        outbox
+            .enqueue(
+                &mut conn,
+                &OutboxMessage::json("Lost", &exchange, "k", &json!({ "i": i }))
+                    .expect("json")
+                    .with_id(format!("lost-{i}")),
+            )
+            .await
+            .expect("enqueue");
+    }
+    // One row per batch, each retried every second: without the limit, every batch (ten a
+    // round) would warn.
+    let period = Duration::from_secs(1);
+    let mut config = relay_config(&env);
+    config.batch_size = 1;
+    config.retry_initial_delay = period;
+    config.retry_max_delay = period;
+    config.max_attempts = 1_000;
+    let started = Instant::now();
+    let relay = RunningRelay::start(&env, config);
+    wait_for(
+        "three rounds of publishes to the missing exchange",
+        async || relay.stats.snapshot().exchange_missing >= 3 * ROWS,
+    )
+    .await;
+    let s = relay.stop().await;
+    let elapsed = started.elapsed();
+
+    let text = logs.text();
+    let warnings: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains(&format!("exchange {exchange:?}")))
+        .collect();
+    let most = elapsed.as_secs_f64() / period.as_secs_f64() + 1.0;
+    assert!(
+        !warnings.is_empty() && warnings.len() as f64 <= most,
+        "{} warnings in {elapsed:?} for {} failed publishes:\n{text}",
+        warnings.len(),
+        s.exchange_missing
+    );
+    let first = warnings[0];
+    assert!(
+        first.contains(&format!("rows_waiting={ROWS}"))
+            && first.contains("does not exist")
+            && first.contains("declared_exchanges"),
+        "{first}"
+    );
 }
