@@ -31,6 +31,7 @@ mod redrive;
 mod reopen;
 mod replay;
 mod retention;
+mod service;
 
 pub use activity::{ActivityBucket, ActivityQuery, ActivityReport, ConsumerActivity};
 pub use alerts::{
@@ -67,6 +68,10 @@ pub use replay::{
     ReplayEditedRequest, WorkQueue, replacement_id,
 };
 pub use retention::{CleanupReport, CleanupRequest, RetentionTask};
+pub use service::{
+    DEFAULT_RETENTION_INTERVAL, DEFAULT_SAMPLER_INTERVAL, DEFAULT_SHUTDOWN_TIMEOUT, PoolShares,
+    Service, ServiceBuilder,
+};
 
 use std::sync::Arc;
 

@@ -62,6 +62,7 @@ pub mod roles;
 pub mod schema;
 mod session_loss;
 pub mod stats;
+pub mod health;
 pub mod telemetry;
 
 // The ledger and the broker.
@@ -91,6 +92,7 @@ pub use config::ConsumerConfig;
 pub use consumer::Consumer;
 pub use envelope::{Envelope, EnvelopeRules};
 pub use error::{BrokerError, ConfigError, ConsumerError, StoreError};
+pub use health::{Health, HealthSnapshot};
 pub use handler::{
     BatchError, BatchHandler, ErrorKind, Handler, HandlerError, InboxMessage, MessageOutbox,
     PerMessage,
@@ -99,7 +101,7 @@ pub use lease::{Lease, LeaseConfig, LeaseError, Leased, LeasedHandler};
 pub use outbox::{Enqueued, Outbox, OutboxError, OutboxMessage, Relay, RelayConfig};
 pub use privacy::PayloadStorage;
 pub use retry::RetryPolicy;
-pub use runner::{RunError, Runner, Shutdown, shutdown_signal};
+pub use runner::{RunError, Runner, Shutdown, TaskResult, shutdown_signal};
 pub use sampler::InboxSampler;
 pub use schema::{SchemaName, migrate};
 pub use status::{InboxStatus, Outcome};
