@@ -11,3 +11,4 @@ mod ops_recover;
 mod ops_redrive;
 mod replay;
 mod retention;
+mod service;
