@@ -4,9 +4,9 @@
 //! ```text
 //! Service::builder(amqp_url, pool, config).handler(h)   defaults: relay, sampler (15 s),
 //!     [.relay(..) .sampler_interval(..) .retention(..)   retention (every 10 min),
-//!      .recovery(..) .shutdown_timeout(..) .task(..)]    recovery (every minute),
+//!      .recovery(..) .shutdown_timeout(..)]             recovery (every minute),
 //!     .build()?  -- checks the settings and the pool    migrations on start, 20 s to stop
-//! service.health()  -- for the probes, before run
+//! service.health()  -- for the probes, before run; service.task(..) -- a probe server
 //! service.run(shutdown).await?  -- migrate, then consumer + relay + sampler + retention + recovery
 //! ```
 
@@ -126,7 +126,6 @@ pub struct ServiceBuilder {
     recovery: Option<RecoveryConfig>,
     migrate_on_start: bool,
     shutdown_timeout: Duration,
-    tasks: Vec<Box<dyn FnOnce(Runner) -> Runner + Send>>,
 }
 
 impl std::fmt::Debug for ServiceBuilder {
@@ -238,20 +237,6 @@ impl ServiceBuilder {
         self
     }
 
-    /// Runs a task of the application beside the others (a probe server, say), as
-    /// [`Runner::task`] does: it stops with them, and its ending stops them.
-    pub fn task<F, Fut>(mut self, name: impl Into<String>, start: F) -> Self
-    where
-        F: FnOnce(Shutdown) -> Fut + Send + 'static,
-        Fut: Future + Send + 'static,
-        Fut::Output: TaskResult,
-    {
-        let name = name.into();
-        self.tasks
-            .push(Box::new(move |runner: Runner| runner.task(name, start)));
-        self
-    }
-
     /// The pool connections the pieces as set now may hold at once.
     pub fn pool_shares(&self) -> PoolShares {
         let lanes = u32::try_from(self.config.lanes).unwrap_or(u32::MAX);
@@ -334,9 +319,6 @@ impl ServiceBuilder {
         if let Some(recovery) = recovery {
             runner = runner.task("recovery", |stop| recovery.run(stop));
         }
-        for add in self.tasks {
-            runner = add(runner);
-        }
         Ok(Service {
             pool,
             config,
@@ -414,7 +396,6 @@ impl Service {
             recovery: Some(RecoveryConfig::default()),
             migrate_on_start: true,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
-            tasks: Vec::new(),
         }
     }
 
@@ -438,6 +419,19 @@ impl Service {
     #[cfg(feature = "fault-injection")]
     pub fn faults(&self) -> Arc<rabbit_inbox::fault::FaultPlan> {
         self.faults.clone()
+    }
+
+    /// Runs a task of the application beside the others (a probe server given
+    /// [`health`](Self::health), say), as [`Runner::task`] does: it stops with them, and its
+    /// ending stops them.
+    pub fn task<F, Fut>(mut self, name: impl Into<String>, start: F) -> Self
+    where
+        F: FnOnce(Shutdown) -> Fut,
+        Fut: Future + Send + 'static,
+        Fut::Output: TaskResult,
+    {
+        self.runner = self.runner.task(name, start);
+        self
     }
 
     /// The pool connections each piece may hold at once, as `build` checked them.

@@ -214,14 +214,12 @@ async fn a_task_that_ends_shows_in_the_health_and_stops_the_service() {
     // The task waits for the service to be ready, then fails, as a probe server whose port is
     // taken would.
     let (ready_tx, ready_rx) = oneshot::channel::<()>();
-    let service = builder
-        .task("probes", move |_stop| async move {
-            let _ = ready_rx.await;
-            Err::<(), _>(std::io::Error::other("address in use"))
-        })
-        .build()
-        .expect("valid");
+    let service = builder.build().expect("valid");
     let health = service.health();
+    let service = service.task("probes", move |_stop| async move {
+        let _ = ready_rx.await;
+        Err::<(), _>(std::io::Error::other("address in use"))
+    });
     let task = tokio::spawn(service.run(std::future::pending()));
     tokio::time::timeout(DEADLINE, health.wait_for(|s| s.ready))
         .await
