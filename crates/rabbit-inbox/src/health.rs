@@ -201,7 +201,11 @@ mod tests {
     #[test]
     fn ready_needs_a_consuming_session_and_every_task_running() {
         let health = Health::new();
-        assert!(health.is_live() && !health.is_ready(), "{:?}", health.snapshot());
+        assert!(
+            health.is_live() && !health.is_ready(),
+            "{:?}",
+            health.snapshot()
+        );
         health.task_started("consumer");
         health.task_started("relay");
         health.consuming();

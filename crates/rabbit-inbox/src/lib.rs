@@ -54,6 +54,7 @@ mod db_error;
 pub mod dedup;
 pub mod envelope;
 pub mod error;
+pub mod health;
 mod json_error;
 pub mod privacy;
 pub mod retention;
@@ -62,7 +63,6 @@ pub mod roles;
 pub mod schema;
 mod session_loss;
 pub mod stats;
-pub mod health;
 pub mod telemetry;
 
 // The ledger and the broker.
@@ -92,11 +92,11 @@ pub use config::ConsumerConfig;
 pub use consumer::Consumer;
 pub use envelope::{Envelope, EnvelopeRules};
 pub use error::{BrokerError, ConfigError, ConsumerError, StoreError};
-pub use health::{Health, HealthSnapshot};
 pub use handler::{
     BatchError, BatchHandler, ErrorKind, Handler, HandlerError, InboxMessage, MessageOutbox,
     PerMessage,
 };
+pub use health::{Health, HealthSnapshot};
 pub use lease::{Lease, LeaseConfig, LeaseError, Leased, LeasedHandler};
 pub use outbox::{Enqueued, Outbox, OutboxError, OutboxMessage, Relay, RelayConfig};
 pub use privacy::PayloadStorage;

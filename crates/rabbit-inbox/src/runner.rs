@@ -238,7 +238,10 @@ impl Runner {
                 drain.await;
                 None
             }
-            Some(timeout) => tokio::time::timeout(timeout, drain).await.err().map(|_| timeout),
+            Some(timeout) => tokio::time::timeout(timeout, drain)
+                .await
+                .err()
+                .map(|_| timeout),
         };
         if let Some(timeout) = timed_out {
             // Dropping the set aborts them; not awaited: one stuck outside an await would
@@ -250,7 +253,10 @@ impl Runner {
                 .collect();
             for task in &unfinished {
                 if let Some(health) = &ended.health {
-                    health.task_ended(task, Some("did not stop within the shutdown timeout".into()));
+                    health.task_ended(
+                        task,
+                        Some("did not stop within the shutdown timeout".into()),
+                    );
                 }
             }
             let error = RunError::ShutdownTimedOut {
@@ -416,7 +422,10 @@ mod tests {
         };
         assert_eq!(*timeout, Duration::from_millis(100));
         assert_eq!(unfinished, &["stuck", "slow"]);
-        assert!(err.to_string().starts_with("stuck, slow did not stop"), "{err}");
+        assert!(
+            err.to_string().starts_with("stuck, slow did not stop"),
+            "{err}"
+        );
         let s = health.snapshot();
         assert!(!s.live && s.stopping);
         let ended: Vec<_> = s

@@ -419,4 +419,3 @@ mod tests {
         assert_eq!(examples(&ids[..2], 2), "m0, m1");
     }
 }
-

@@ -86,7 +86,10 @@ async fn a_built_service_processes_messages_is_ready_and_stops_within_its_timeou
     let stopped = health.snapshot();
     assert!(!stopped.ready && stopped.stopping && !stopped.connected);
     assert!(
-        stopped.tasks.iter().all(|t| !t.running && t.error.is_none()),
+        stopped
+            .tasks
+            .iter()
+            .all(|t| !t.running && t.error.is_none()),
         "{stopped:?}"
     );
 }
@@ -102,7 +105,9 @@ async fn a_pool_too_small_for_what_shares_it_is_refused_at_build_with_the_number
         .expect("a lazy pool");
     let (handler, _plan) = env.handler();
     let builder = Service::builder(amqp_url(), pool.clone(), config.clone()).handler(handler);
-    let err = builder.build().expect_err("4 lanes + 1 + relay 2 + 3 tasks need 10");
+    let err = builder
+        .build()
+        .expect_err("4 lanes + 1 + relay 2 + 3 tasks need 10");
     let ConfigError::PoolTooSmall {
         max_connections,
         required,
@@ -132,15 +137,19 @@ async fn a_pool_too_small_for_what_shares_it_is_refused_at_build_with_the_number
         .expect("4 lanes + 1 + retention + recovery = 7 fit in 8");
 
     let (handler, _plan) = env.handler();
-    let err = Service::builder(amqp_url(), env.pool.clone(), env.config("svc", env.topology("u")))
-        .handler(handler)
-        .retention(rabbit_inbox::retention::RetentionPolicy {
-            processed: Duration::from_secs(60),
-            scrub_payload_after: None,
-            ..Default::default()
-        })
-        .build()
-        .expect_err("a dedup window shorter than the redelivery horizon");
+    let err = Service::builder(
+        amqp_url(),
+        env.pool.clone(),
+        env.config("svc", env.topology("u")),
+    )
+    .handler(handler)
+    .retention(rabbit_inbox::retention::RetentionPolicy {
+        processed: Duration::from_secs(60),
+        scrub_payload_after: None,
+        ..Default::default()
+    })
+    .build()
+    .expect_err("a dedup window shorter than the redelivery horizon");
     assert!(
         matches!(err, ConfigError::UnsafeRetentionWindow(_)),
         "{err}"
@@ -169,7 +178,10 @@ async fn a_consumer_that_cannot_stop_in_time_is_named_and_its_delivery_comes_bac
         .await
         .expect("ready");
     env.publish(&topology, &thing("held", 1)).await;
-    wait_for("the handler holds the message", async || latch.arrivals() >= 1).await;
+    wait_for("the handler holds the message", async || {
+        latch.arrivals() >= 1
+    })
+    .await;
 
     let asked = tokio::time::Instant::now();
     let _ = stop.send(());
@@ -187,7 +199,10 @@ async fn a_consumer_that_cannot_stop_in_time_is_named_and_its_delivery_comes_bac
         panic!("expected a timeout, got {err}");
     };
     assert_eq!(unfinished, &["consumer"], "{err}");
-    assert!(err.to_string().starts_with("consumer did not stop"), "{err}");
+    assert!(
+        err.to_string().starts_with("consumer did not stop"),
+        "{err}"
+    );
 
     // Abandoned unsettled: once its connection is gone the broker hands the message out again,
     // and a consumer that can process it does, once.
@@ -233,11 +248,7 @@ async fn a_task_that_ends_shows_in_the_health_and_stops_the_service() {
     assert_eq!(err.tasks(), ["probes"]);
     let s = health.snapshot();
     assert!(!s.live && !s.ready);
-    let probes = s
-        .tasks
-        .iter()
-        .find(|t| t.name == "probes")
-        .expect("listed");
+    let probes = s.tasks.iter().find(|t| t.name == "probes").expect("listed");
     assert!(!probes.running && probes.ended_at.is_some());
     assert_eq!(probes.error.as_deref(), Some("address in use"));
 }

@@ -49,7 +49,11 @@ async fn ready_while_consuming_not_ready_while_the_connection_is_down_then_ready
         .await
         .expect("ready again once it reconnects");
     assert_eq!(again.sessions, 2);
-    assert_eq!(again.last_session_error, Some(error), "the last error stays");
+    assert_eq!(
+        again.last_session_error,
+        Some(error),
+        "the last error stays"
+    );
     env.wait_for_record("svc", "breaker", "processed", |r| {
         r.status == InboxStatus::Processed
     })
