@@ -2,9 +2,13 @@
 //!
 //! The operator API of rabbit-inbox: what an operator (through `inboxctl` or the admin HTTP
 //! API) does when something goes wrong, on a live inbox. Each operation is written once, here;
-//! front ends only parse arguments and render results. Also the broker's management HTTP API
-//! ([`ManagementClient`]), and the operations that run on a timer beside a consumer
-//! ([`RetentionTask`], [`RecoveryTask`]) under a [`rabbit_inbox::Runner`].
+//! front ends only parse arguments and render results. Also the operations that run on a timer
+//! beside a consumer ([`RetentionTask`], [`RecoveryTask`]) under a [`rabbit_inbox::Runner`],
+//! and [`Service`], which builds a consumer with all of its background work in one place.
+//!
+//! Feature `management` (off by default) adds the broker's management HTTP API
+//! (`ManagementClient`) and the doctor's topology checks that read it; without it the crate
+//! needs no HTTP client.
 //!
 //! This crate sits above the consumer runtime, which knows nothing of it.
 //!
@@ -20,12 +24,14 @@ mod doctor;
 mod fault;
 mod history;
 mod inspect;
+#[cfg(feature = "management")]
 mod management;
 mod recover;
 mod redrive;
 mod reopen;
 mod replay;
 mod retention;
+mod service;
 
 pub use activity::{ActivityBucket, ActivityQuery, ActivityReport, ConsumerActivity};
 pub use alerts::{
@@ -42,6 +48,7 @@ pub use inspect::{
     Payload, RowDetail, RowSummary, ShowQuery, ShowReport, StatusLine, StatusQuery, StatusReport,
     Tombstone,
 };
+#[cfg(feature = "management")]
 pub use management::{
     DEFAULT_MANAGEMENT_PORT, DEFAULT_MANAGEMENT_TLS_PORT, ManagementClient, ManagementError,
     QueueCounts, QueueInfo, QueueSetting,
@@ -61,6 +68,10 @@ pub use replay::{
     ReplayEditedRequest, WorkQueue, replacement_id,
 };
 pub use retention::{CleanupReport, CleanupRequest, RetentionTask};
+pub use service::{
+    DEFAULT_RETENTION_INTERVAL, DEFAULT_SAMPLER_INTERVAL, DEFAULT_SHUTDOWN_TIMEOUT, PoolShares,
+    Service, ServiceBuilder,
+};
 
 use std::sync::Arc;
 

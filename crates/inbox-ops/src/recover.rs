@@ -714,10 +714,7 @@ impl RecoveryTask {
 
     /// Recovers every interval until `shutdown` completes. A failed run is logged and tried
     /// again at the next tick; nothing ends the task but `shutdown`.
-    pub async fn run(
-        self,
-        shutdown: impl std::future::Future<Output = ()> + Send,
-    ) -> Result<(), OpsError> {
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send) {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut broker: Option<Broker> = None;
         let mut tick = tokio::time::interval(self.interval);
@@ -725,7 +722,7 @@ impl RecoveryTask {
         loop {
             tokio::select! {
                 biased;
-                () = &mut shutdown => return Ok(()),
+                () = &mut shutdown => return,
                 _ = tick.tick() => {}
             }
             if broker.is_none() {
@@ -740,7 +737,7 @@ impl RecoveryTask {
                 .recover_quietly(connected, &self.actor, &self.request);
             let report = tokio::select! {
                 biased;
-                () = &mut shutdown => return Ok(()),
+                () = &mut shutdown => return,
                 report = run => report,
             };
             match report {

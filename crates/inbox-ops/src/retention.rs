@@ -748,23 +748,20 @@ impl RetentionTask {
 
     /// Cleans up every interval until `shutdown` completes. A failed round is logged and
     /// tried again at the next tick; nothing ends the task but `shutdown`.
-    pub async fn run(
-        self,
-        shutdown: impl std::future::Future<Output = ()> + Send,
-    ) -> Result<(), OpsError> {
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send) {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut tick = tokio::time::interval(self.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 biased;
-                () = &mut shutdown => return Ok(()),
+                () = &mut shutdown => return,
                 _ = tick.tick() => {}
             }
             let round = self.ops.cleanup(&self.request, &NoProgress);
             let result = tokio::select! {
                 biased;
-                () = &mut shutdown => return Ok(()),
+                () = &mut shutdown => return,
                 result = round => result,
             };
             match result {

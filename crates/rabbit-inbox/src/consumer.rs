@@ -34,6 +34,7 @@ use crate::{
     envelope::{self, AmqpMessage, Envelope, InvalidMessage, InvalidReason},
     error::{ConfigError, ConsumerError},
     handler::{BatchHandler, Handler, PerMessage},
+    health::Health,
     lease::{LeaseConfig, Leased, LeasedHandler, LeasedProcessor},
     processor::{Parsed, Process, Processor},
     session_loss::{DeliverySummary, SessionLosses},
@@ -48,6 +49,7 @@ pub struct Consumer<H> {
     config: ConsumerConfig,
     processor: Arc<dyn Process>,
     stats: Arc<ConsumerStats>,
+    health: Health,
     #[cfg(feature = "fault-injection")]
     faults: Arc<crate::fault::FaultPlan>,
     handler: PhantomData<fn() -> H>,
@@ -164,6 +166,7 @@ impl<H> Consumer<H> {
             processor: make_processor(stats.clone()),
             config,
             stats,
+            health: Health::new(),
             #[cfg(feature = "fault-injection")]
             faults: Arc::default(),
             handler: PhantomData,
@@ -173,6 +176,12 @@ impl<H> Consumer<H> {
     /// Live counters.
     pub fn stats(&self) -> Arc<ConsumerStats> {
         self.stats.clone()
+    }
+
+    /// The consumer's health for liveness and readiness probes: its broker session's state,
+    /// and the tasks of a [`crate::Runner`] given it ([`crate::Runner::with_health`]).
+    pub fn health(&self) -> Health {
+        self.health.clone()
     }
 
     /// Faults to inject (tests and demos).
@@ -198,12 +207,16 @@ impl<H> Consumer<H> {
         loop {
             let opened = tokio::select! {
                 biased;
-                () = &mut shutdown => return Ok(()),
+                () = &mut shutdown => {
+                    self.health.stopping();
+                    return Ok(());
+                }
                 opened = Session::open(&self.amqp_url, &settings) => opened,
             };
             let delay = match opened {
                 Ok(session) => {
                     self.stats.record_session();
+                    self.health.consuming();
                     tracing::info!(queue = %self.config.topology.queue, consumer = %self.config.consumer_name, "consuming");
                     let began = Instant::now();
                     let SessionEnd::Lost(reason, unsettled) =
@@ -211,6 +224,7 @@ impl<H> Consumer<H> {
                     else {
                         return Ok(());
                     };
+                    self.health.disconnected(Some(reason.clone()));
                     // A delivery the library cannot get past ends every session it reaches;
                     // the same error or the same unsettled delivery again says so.
                     let repeats = losses.lost(&reason, began.elapsed(), &unsettled);
@@ -225,8 +239,12 @@ impl<H> Consumer<H> {
                     tracing::warn!(%reason, retry_in = ?delay, "broker session lost; reconnecting");
                     delay
                 }
-                Err(e) if broker::is_fatal(&e) => return Err(e.into()),
+                Err(e) if broker::is_fatal(&e) => {
+                    self.health.disconnected(Some(e.to_string()));
+                    return Err(e.into());
+                }
                 Err(e) => {
+                    self.health.disconnected(Some(e.to_string()));
                     let delay = backoff.failed();
                     tracing::warn!(error = %e, retry_in = ?delay, "cannot open broker session");
                     delay
@@ -234,7 +252,10 @@ impl<H> Consumer<H> {
             };
             tokio::select! {
                 biased;
-                () = &mut shutdown => return Ok(()),
+                () = &mut shutdown => {
+                    self.health.stopping();
+                    return Ok(());
+                }
                 () = tokio::time::sleep(delay) => {}
             }
         }
@@ -289,6 +310,7 @@ impl<H> Consumer<H> {
             let next = tokio::select! {
                 biased;
                 () = shutdown.as_mut() => {
+                    self.health.draining();
                     session.cancel().await;
                     break None;
                 }
@@ -360,6 +382,7 @@ impl<H> Consumer<H> {
         }
         let Some(reason) = lost else {
             session.close().await;
+            self.health.disconnected(None);
             return SessionEnd::Shutdown;
         };
         // What the drain could not settle goes back to the broker, which hands it out again.

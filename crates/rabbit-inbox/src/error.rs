@@ -21,6 +21,21 @@ pub enum ConfigError {
     /// message says which setting, the horizon, and what to set.
     #[error("unsafe retention window: {0}")]
     UnsafeRetentionWindow(String),
+    /// The pool allows fewer connections than the pieces sharing it may hold at once: some of
+    /// them would wait for a connection on every batch or tick (and time out).
+    #[error(
+        "the pool allows {max_connections} connections, and what shares it may hold \
+         {required} at once ({shares}); set max_connections to at least {required}, run fewer \
+         lanes, or turn off what the service does not need"
+    )]
+    PoolTooSmall {
+        /// The pool's `max_connections`.
+        max_connections: u32,
+        /// The connections its users may hold at once.
+        required: u32,
+        /// Who holds how many, e.g. `consumer 2 lanes + 1 = 3, relay 2`.
+        shares: String,
+    },
 }
 
 /// A failure talking to the inbox tables.

@@ -54,6 +54,7 @@ mod db_error;
 pub mod dedup;
 pub mod envelope;
 pub mod error;
+pub mod health;
 mod json_error;
 pub mod privacy;
 pub mod retention;
@@ -98,12 +99,13 @@ pub use handler::{
     BatchError, BatchHandler, ErrorKind, Handler, HandlerError, InboxMessage, MessageOutbox,
     PerMessage,
 };
+pub use health::{Health, HealthSnapshot};
 pub use lease::{Lease, LeaseConfig, LeaseError, Leased, LeasedHandler};
 pub use outbox::{Enqueued, Outbox, OutboxError, OutboxMessage, Relay, RelayConfig};
 pub use privacy::PayloadStorage;
 pub use retry::RetryPolicy;
 pub use router::{Router, RouterError, TypedBatchHandler, TypedHandler, TypedMessage};
-pub use runner::{RunError, Runner, Shutdown, shutdown_signal};
+pub use runner::{RunError, Runner, Shutdown, TaskResult, shutdown_signal};
 pub use sampler::InboxSampler;
 pub use schema::{SchemaName, migrate};
 pub use status::{InboxStatus, Outcome};

@@ -84,7 +84,7 @@ impl InboxSampler {
     /// Samples until `shutdown` completes. A failed sample counts in
     /// `rabbit_inbox_sampler_errors_total` and the gauges keep their last values; nothing
     /// ends the run but `shutdown`.
-    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), StoreError> {
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) {
         let consumer = SharedString::from_shared(std::sync::Arc::from(self.consumer.as_str()));
         let mut ticks = tokio::time::interval(self.interval);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -100,7 +100,6 @@ impl InboxSampler {
                 tracing::debug!(error = %e, "inbox gauges not sampled");
             }
         }
-        Ok(())
     }
 
     async fn sample(&self, consumer: &SharedString, headroom: bool) -> Result<(), StoreError> {

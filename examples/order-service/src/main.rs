@@ -2,12 +2,12 @@
 //!
 //! Consumes the `order-service` queue until SIGINT or SIGTERM, and relays its outbox
 //! (`OrderPaid` events to exchange `order-events`) in the same process unless
-//! `OUTBOX_RELAY=off`. `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`),
+//! `OUTBOX_RELAY=off`; retention, recovery and the gauges' sampler run beside it. `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`),
 //! `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`), `INBOX_SCHEMA` (default
 //! `order_service`).
 
 use anyhow::Context;
-use rabbit_inbox::{Consumer, Relay, RelayConfig, Runner, SchemaName, broker::Broker};
+use rabbit_inbox::{SchemaName, broker::Broker};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -25,7 +25,6 @@ async fn main() -> anyhow::Result<()> {
     let pool = sqlx::PgPool::connect(&database_url)
         .await
         .with_context(|| format!("cannot reach PostgreSQL at {database_url}"))?;
-    rabbit_inbox::migrate(&pool, &schema).await?;
     order_service::migrate(&pool, &schema).await?;
     let config = order_service::config(
         schema.clone(),
@@ -37,18 +36,15 @@ async fn main() -> anyhow::Result<()> {
         .declare_exchange(order_service::EVENTS_EXCHANGE)
         .await?;
     broker.close().await;
-    let consumer = Consumer::new(
-        amqp_url.clone(),
-        pool.clone(),
-        config,
-        order_service::OrderHandler::new(schema.clone()),
-    )?;
-    let mut service = Runner::new().task("consumer", |stop| consumer.run(stop));
-    if std::env::var("OUTBOX_RELAY").as_deref() != Ok("off") {
-        // The relay holds one connection of the pool beside the consumer's lanes.
-        let relay = Relay::new(amqp_url, pool, RelayConfig::new(schema))?;
-        service = service.task("outbox relay", |stop| relay.run(stop));
+    // The inbox's migrations run when the service starts.
+    let mut service = inbox_ops::Service::builder(amqp_url, pool, config)
+        .handler(order_service::OrderHandler::new(schema));
+    if std::env::var("OUTBOX_RELAY").as_deref() == Ok("off") {
+        service = service.without_relay();
     }
-    service.run(rabbit_inbox::shutdown_signal()).await?;
+    service
+        .build()?
+        .run(rabbit_inbox::shutdown_signal())
+        .await?;
     Ok(())
 }

@@ -1,12 +1,12 @@
 //! Run with: `cargo run -p shipping-service`
 //!
 //! Consumes the `shipping-service` queue (bound to exchange `order-events` with `order.paid`)
-//! until SIGINT or SIGTERM. `DATABASE_URL` (default
+//! until SIGINT or SIGTERM, with retention, recovery and the gauges' sampler beside it. `DATABASE_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/postgres`), `AMQP_URL` (default
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`), `INBOX_SCHEMA` (default `shipping_service`).
 
 use anyhow::Context;
-use rabbit_inbox::{Consumer, SchemaName};
+use rabbit_inbox::SchemaName;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -25,19 +25,18 @@ async fn main() -> anyhow::Result<()> {
     let pool = sqlx::PgPool::connect(&database_url)
         .await
         .with_context(|| format!("cannot reach PostgreSQL at {database_url}"))?;
-    rabbit_inbox::migrate(&pool, &schema).await?;
     shipping_service::migrate(&pool, &schema).await?;
     let config = shipping_service::config(
         schema.clone(),
         shipping_service::QUEUE,
         shipping_service::EVENTS_EXCHANGE,
     );
-    let consumer = Consumer::new(
-        amqp_url,
-        pool,
-        config,
-        shipping_service::ShippingHandler::new(schema),
-    )?;
-    consumer.run(rabbit_inbox::shutdown_signal()).await?;
+    // Its handler writes no outbox rows: no relay. The inbox's migrations run at start.
+    inbox_ops::Service::builder(amqp_url, pool, config)
+        .handler(shipping_service::ShippingHandler::new(schema))
+        .without_relay()
+        .build()?
+        .run(rabbit_inbox::shutdown_signal())
+        .await?;
     Ok(())
 }

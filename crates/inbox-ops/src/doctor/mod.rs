@@ -37,6 +37,7 @@ mod reconciliation;
 mod recovery;
 mod retention;
 mod schema;
+#[cfg(feature = "management")]
 mod topology;
 
 /// Most example message ids in one row.
@@ -255,7 +256,7 @@ pub struct DoctorRequest {
     /// The management HTTP API (`http://user:password@host:15672`, several separated by
     /// commas, or `https://`); `None`: each AMQP URL's host, `http://host:15672` (`https://host:15671`
     /// for `amqps://`), with the first URL's credentials.
-    /// The first address that answers is read.
+    /// The first address that answers is read. Read only with the feature `management`.
     pub management_url: Option<String>,
     /// The consumer's queues. `None`: broker and reconciliation checks are skipped.
     pub topology: Option<Topology>,
@@ -357,7 +358,10 @@ impl Operations {
                 .await
                 .unwrap_or_else(|e| Check::not_run(ids::STATUS_CHECK, Area::Schema, e)),
         );
+        #[cfg(feature = "management")]
         checks.extend(self.check_topology(request).await);
+        #[cfg(not(feature = "management"))]
+        checks.push(topology_not_checked());
         checks.push(self.check_retention(request));
         match self.check_recovery(request).await {
             Ok(rows) => checks.extend(rows),
@@ -374,6 +378,18 @@ impl Operations {
             checks,
         )
     }
+}
+
+/// The topology check of a build without the management API: a warning, never a failure.
+#[cfg(not(feature = "management"))]
+fn topology_not_checked() -> Check {
+    Check::new(
+        ids::TOPOLOGY,
+        Area::Broker,
+        Severity::Warn,
+        "broker topology not checked: inbox-ops was built without its management API",
+    )
+    .hint("run inboxctl doctor (built with it), or enable the feature `management` of inbox-ops")
 }
 
 #[cfg(test)]

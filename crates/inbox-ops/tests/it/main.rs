@@ -2,6 +2,8 @@
 //! (`DATABASE_URL`, `AMQP_URL`; see the test kit). Each test works in its own schema and
 //! queues, removed afterwards.
 
+// Reads the broker's topology through the management API.
+#[cfg(feature = "management")]
 mod doctor;
 mod history;
 mod ops_inspect;
@@ -9,3 +11,4 @@ mod ops_recover;
 mod ops_redrive;
 mod replay;
 mod retention;
+mod service;

@@ -30,6 +30,7 @@ const LAYERS: &[&str] = &[
     "privacy",
     "session_loss",
     "stats",
+    "health",
     // The ledger and the broker, side by side.
     "store",
     "broker",

@@ -12,6 +12,7 @@ mod copies;
 mod deep_headers;
 mod delivery_spans;
 mod hardening;
+mod health;
 mod hostile_fields;
 mod inbox;
 mod layering;
