@@ -25,33 +25,33 @@ pub(crate) struct CleanupArgs {
     #[arg(long, default_value_t = 5000)]
     batch: u32,
     /// PROCESSED rows are removed this long after processing (the dedup window).
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "30days")]
+    #[arg(long, env = "INBOX_PROCESSED_RETENTION", value_parser = humantime::parse_duration, default_value = "30days")]
     processed_retention: Duration,
     /// Per message type, TYPE=DURATION (repeatable), e.g. `--type-retention ledger.entry=90days`.
-    #[arg(long, value_parser = type_retention)]
+    #[arg(long, env = "INBOX_TYPE_RETENTION", value_delimiter = ',', value_parser = type_retention)]
     type_retention: Vec<(String, Duration)>,
     /// Parked rows (PERMANENT_FAILED, POISONED) are removed this long after their last failure
     /// [default: kept].
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(long, env = "INBOX_PARKED_RETENTION", value_parser = humantime::parse_duration)]
     parked_retention: Option<Duration>,
     /// Payloads and headers of PROCESSED rows are removed this long after processing.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "3days")]
+    #[arg(long, env = "INBOX_SCRUB_AFTER", value_parser = humantime::parse_duration, default_value = "3days")]
     scrub_after: Duration,
-    /// Do not scrub payloads (they go with their rows).
-    #[arg(long, conflicts_with = "scrub_after")]
+    /// Do not scrub payloads (they go with their rows); overrides --scrub-after.
+    #[arg(long)]
     no_scrub: bool,
     /// Tombstones of removed rows are kept this long.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "180days")]
+    #[arg(long, env = "INBOX_TOMBSTONE_RETENTION", value_parser = humantime::parse_duration, default_value = "180days")]
     tombstone_retention: Duration,
     /// How long after parking a message may still be replayed from the parking lot (the
     /// consumer's `retention.parking_replay_window`).
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "14days")]
+    #[arg(long, env = "INBOX_REPLAY_WINDOW", value_parser = humantime::parse_duration, default_value = "14days")]
     replay_window: Duration,
     /// The consumer's retry tiers, for the window check [default: the library's].
-    #[arg(long, value_delimiter = ',', value_parser = humantime::parse_duration)]
+    #[arg(long, env = "INBOX_RETRY_DELAYS", value_delimiter = ',', value_parser = humantime::parse_duration)]
     retry_delays: Vec<Duration>,
     /// The consumer's attempt budget, for the window check [default: the library's].
-    #[arg(long)]
+    #[arg(long, env = "INBOX_MAX_ATTEMPTS")]
     max_attempts: Option<i32>,
     /// Move expired rows to inbox_archive instead of deleting them.
     #[arg(long)]

@@ -46,13 +46,13 @@ pub(crate) struct DoctorArgs {
     #[command(flatten)]
     queues: QueueArgs,
     /// The consumer's queues are quorum queues.
-    #[arg(long)]
+    #[arg(long, env = "INBOX_QUORUM")]
     quorum: bool,
     /// The consumer's attempt budget.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "INBOX_MAX_ATTEMPTS", default_value_t = 5)]
     max_attempts: i32,
     /// The consumer's prefetch (a quorum delivery limit must exceed attempts + prefetch).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, env = "INBOX_PREFETCH", default_value_t = 1000)]
     prefetch: u16,
     /// The RabbitMQ management API, `http://user:password@host:15672` (a cluster's: several,
     /// comma-separated; the first that answers is read) [default: port 15672 of each AMQP
@@ -60,28 +60,34 @@ pub(crate) struct DoctorArgs {
     #[arg(long, env = "INBOX_MANAGEMENT_URL")]
     management_url: Option<String>,
     /// PROCESSED rows are removed this long after processing (the dedup window).
-    #[arg(long, value_parser = when::duration, default_value = "30days")]
+    #[arg(long, env = "INBOX_PROCESSED_RETENTION", value_parser = when::duration, default_value = "30days")]
     processed_retention: Duration,
     /// Per message type, TYPE=DURATION (repeatable).
-    #[arg(long, value_parser = type_value::<Duration>)]
+    #[arg(long, env = "INBOX_TYPE_RETENTION", value_delimiter = ',', value_parser = type_value::<Duration>)]
     type_retention: Vec<(String, Duration)>,
     /// How long after parking a message may still be replayed from the parking lot.
-    #[arg(long, value_parser = when::duration, default_value = "14days")]
+    #[arg(long, env = "INBOX_REPLAY_WINDOW", value_parser = when::duration, default_value = "14days")]
     replay_window: Duration,
-    /// The consumer runs no retention (rows are kept until removed by hand).
-    #[arg(long, conflicts_with_all = ["processed_retention", "type_retention"])]
+    /// The consumer runs no retention (rows are kept until removed by hand); overrides
+    /// --processed-retention and --type-retention.
+    #[arg(long)]
     no_retention: bool,
     /// Which bodies the consumer keeps, for types without their own --type-storage.
-    #[arg(long, value_enum, default_value = "failed-only")]
+    #[arg(
+        long,
+        env = "INBOX_PAYLOAD_STORAGE",
+        value_enum,
+        default_value = "failed-only"
+    )]
     payload_storage: Storage,
     /// Per message type, TYPE=failed-only|always|never (repeatable).
-    #[arg(long, value_parser = type_value::<Storage>)]
+    #[arg(long, env = "INBOX_TYPE_STORAGE", value_delimiter = ',', value_parser = type_value::<Storage>)]
     type_storage: Vec<(String, Storage)>,
     /// The consumer encrypts stored payloads (a keyring is configured).
-    #[arg(long)]
+    #[arg(long, env = "INBOX_ENCRYPTED")]
     encrypted: bool,
     /// A PROCESSING row without a lease counts as stale after this.
-    #[arg(long, value_parser = when::duration, default_value = "5m")]
+    #[arg(long, env = "INBOX_STALE_AFTER", value_parser = when::duration, default_value = "5m")]
     stale_after: Duration,
     /// Added to a retry tier's delay before a retry counts as lost.
     #[arg(long, value_parser = when::duration, default_value = "1m")]

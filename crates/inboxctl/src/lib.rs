@@ -5,6 +5,7 @@
 
 pub mod connect;
 mod servers;
+pub mod settings;
 pub mod telemetry;
 pub mod when;
 

@@ -17,11 +17,11 @@ mod serve;
 mod show;
 mod status;
 
-use std::process::ExitCode;
+use std::{ffi::OsString, path::PathBuf, process::ExitCode};
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use inbox_ops::OpsError;
-use inboxctl::{Servers, connect, error_chain, telemetry, when};
+use inboxctl::{Servers, connect, error_chain, settings::SettingsFile, telemetry, when};
 
 /// Exit code of a command run on a schema that holds no inbox.
 const EXIT_NO_INBOX: u8 = 4;
@@ -37,9 +37,18 @@ use rabbit_inbox::SchemaName;
     after_help = "Exit codes: 0 done, 1 what the command reports as refused or missing (see its \
         help), 2 the command could not run (a server unreachable, a bad argument), 4 no inbox \
         in the --schema given (run `inboxctl migrate --schema <schema>`, or check --schema / \
-        INBOX_SCHEMA). The doctor adds 3: warnings only."
+        INBOX_SCHEMA). The doctor adds 3: warnings only.\n\n\
+        Settings: a flag with an environment variable ([env: ...]) can also be set in a TOML \
+        settings file (--config, else INBOXCTL_CONFIG, else ./inboxctl.toml if present), under \
+        the variable's name without INBOX_ in lower case: schema = \"billing\", \
+        retry_delays = \"1s,5s,30s\", database_url = \"postgres://...\". A flag beats its \
+        variable, the variable beats the file, the file beats the built-in default (a \
+        [default: ...] shown here includes the file's values). An unknown key is an error."
 )]
 struct Cli {
+    /// TOML settings file of the installation (see below) [default: ./inboxctl.toml if present]
+    #[arg(long, env = "INBOXCTL_CONFIG", global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
     #[command(flatten)]
     servers: Servers,
     #[command(subcommand)]
@@ -188,9 +197,27 @@ enum Command {
     Doctor(doctor::DoctorArgs),
 }
 
+/// The command line, with the settings file's values as defaults; exits on `--help`, a bad
+/// flag (as clap does), or an unreadable or wrong settings file.
+fn parse_command_line() -> Cli {
+    let args: Vec<OsString> = std::env::args_os().collect();
+    let command = match SettingsFile::find(&args).and_then(|file| match file {
+        Some(file) => file.apply(Cli::command()),
+        None => Ok(Cli::command()),
+    }) {
+        Ok(command) => command,
+        Err(e) => {
+            eprintln!("error: {}", error_chain(&e));
+            std::process::exit(2);
+        }
+    };
+    let matches = command.get_matches_from(args);
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse_command_line();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(

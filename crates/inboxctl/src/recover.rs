@@ -29,7 +29,7 @@ pub(crate) struct RecoverArgs {
     #[command(flatten)]
     inbox: InboxArgs,
     /// The consumer's work queue, where republished copies go.
-    #[arg(long)]
+    #[arg(long, env = "INBOX_QUEUE")]
     queue: String,
     /// Who runs the recovery and why (audited; not needed for --dry-run).
     #[command(flatten)]
@@ -43,17 +43,17 @@ pub(crate) struct RecoverArgs {
     /// The consumer's retry tier delays, comma-separated: a RETRYABLE_FAILED row counts as
     /// lost once its tier's delay plus --grace has passed since it failed [default: the
     /// library's tiers]
-    #[arg(long, value_delimiter = ',', value_parser = humantime::parse_duration)]
+    #[arg(long, env = "INBOX_RETRY_DELAYS", value_delimiter = ',', value_parser = humantime::parse_duration)]
     retry_delays: Vec<Duration>,
     /// Added to a tier's delay before a retry counts as lost.
     #[arg(long, default_value = "1m", value_parser = humantime::parse_duration)]
     grace: Duration,
     /// The consumer's attempt budget: a stale PROCESSING row that has spent it goes to manual
     /// review instead of being republished.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "INBOX_MAX_ATTEMPTS", default_value_t = 5)]
     max_attempts: i32,
     /// A PROCESSING row without a lease (not from leased mode) counts as stale after this.
-    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "INBOX_STALE_AFTER", default_value = "5m", value_parser = humantime::parse_duration)]
     stale_after: Duration,
     /// Most rows per run.
     #[arg(long, default_value_t = 1000)]

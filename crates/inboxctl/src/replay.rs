@@ -27,10 +27,10 @@ pub(crate) struct ReplayEditedArgs {
     /// The consumer's work queue, where the replacement goes; the original's parked copy is
     /// removed from `<queue>.parking-lot` unless --parking-queue names another. Required
     /// unless --dry-run.
-    #[arg(long, required_unless_present = "dry_run")]
+    #[arg(long, env = "INBOX_QUEUE", required_unless_present = "dry_run")]
     queue: Option<String>,
     /// The parking-lot queue, when not `<queue>.parking-lot`.
-    #[arg(long, requires = "queue")]
+    #[arg(long, env = "INBOX_PARKING_QUEUE", requires = "queue")]
     parking_queue: Option<String>,
     /// Show the diff, the changed paths and the new id only; publish and change nothing (needs
     /// no broker, and no --actor or --reason).

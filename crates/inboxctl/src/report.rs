@@ -115,13 +115,18 @@ impl Drop for Bar {
 pub(crate) struct QueueArgs {
     /// The consumer's work queue; its parking lot is `<queue>.parking-lot` and its retry
     /// tiers `<queue>.retry.<delay>` unless given below.
-    #[arg(long)]
+    #[arg(long, env = "INBOX_QUEUE")]
     pub(crate) queue: Option<String>,
     /// The parking-lot queue, when not `<queue>.parking-lot`.
-    #[arg(long, requires = "queue")]
+    #[arg(long, env = "INBOX_PARKING_QUEUE", requires = "queue")]
     pub(crate) parking_queue: Option<String>,
     /// The consumer's retry delays, comma-separated (they name the retry tiers).
-    #[arg(long, value_parser = crate::when::delays, default_value = "1s,5s,30s,2m,10m")]
+    #[arg(
+        long,
+        env = "INBOX_RETRY_DELAYS",
+        value_parser = crate::when::delays,
+        default_value = "1s,5s,30s,2m,10m"
+    )]
     pub(crate) retry_delays: crate::when::Delays,
 }
 

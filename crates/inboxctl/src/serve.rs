@@ -48,13 +48,23 @@ Example:
 pub(crate) struct ServeArgs {
     /// Address to listen on. Without any token only a loopback address is accepted; any
     /// other address needs TLS or --insecure-http.
-    #[arg(long, default_value = "127.0.0.1:9480")]
+    #[arg(long, env = "INBOX_ADMIN_LISTEN", default_value = "127.0.0.1:9480")]
     listen: SocketAddr,
     /// Serve HTTPS with this certificate chain (PEM, leaf first); needs --tls-key.
-    #[arg(long, value_name = "PEM", requires = "tls_key")]
+    #[arg(
+        long,
+        env = "INBOX_ADMIN_TLS_CERT",
+        value_name = "PEM",
+        requires = "tls_key"
+    )]
     tls_cert: Option<PathBuf>,
     /// The private key of --tls-cert (PEM).
-    #[arg(long, value_name = "PEM", requires = "tls_cert")]
+    #[arg(
+        long,
+        env = "INBOX_ADMIN_TLS_KEY",
+        value_name = "PEM",
+        requires = "tls_cert"
+    )]
     tls_key: Option<PathBuf>,
     /// Serve clear-text HTTP on a non-loopback address anyway: tokens and messages cross the
     /// network unencrypted. For a trusted network only; logged and reported on /readyz.
@@ -86,12 +96,17 @@ pub(crate) struct ServeArgs {
     /// `admin`), added to those in INBOX_ADMIN_READ_TOKENS, INBOX_ADMIN_PAYLOAD_TOKENS and
     /// INBOX_ADMIN_ADMIN_TOKENS (`name=token,name=token`). Should be readable by its owner
     /// only.
-    #[arg(long)]
+    #[arg(long, env = "INBOX_ADMIN_TOKENS_FILE")]
     tokens_file: Option<PathBuf>,
     /// Sample this consumer's inbox gauges (open, stale and parked rows, oldest unprocessed
     /// age, dedup-window headroom) into /metrics, judged by --retry-delays; repeatable. The
     /// consumers' own counters and histograms are on their --metrics-addr.
-    #[arg(long = "sample-consumer", value_name = "NAME")]
+    #[arg(
+        long = "sample-consumer",
+        env = "INBOX_SAMPLE_CONSUMERS",
+        value_delimiter = ',',
+        value_name = "NAME"
+    )]
     sample_consumers: Vec<String>,
     /// Seconds between samples: one query over the index of open rows per consumer.
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
@@ -177,6 +192,14 @@ fn options(args: &ServeArgs) -> ServeOptions {
 }
 
 pub(crate) async fn run(servers: &Servers, args: ServeArgs) -> anyhow::Result<ExitCode> {
+    // Clap checks this for flags and variables, not for values from a settings file.
+    if args.tls_cert.is_some() != args.tls_key.is_some() {
+        anyhow::bail!(
+            "--tls-cert and --tls-key go together (INBOX_ADMIN_TLS_CERT and \
+             INBOX_ADMIN_TLS_KEY, or admin_tls_cert and admin_tls_key in the settings file): \
+             give both, or neither for plain HTTP"
+        );
+    }
     let tokens = tokens(&args)?;
     let options = options(&args);
     // Refused before anything is connected: the error is about the command line.

@@ -21,7 +21,7 @@ pub(crate) struct StatusArgs {
     /// A PROCESSING row whose attempt started longer ago than this is stale (a leased one:
     /// once its lease expired). The "overdue" column leaves out rows waiting for their retry
     /// (--retry-delays) and leases still heartbeating.
-    #[arg(long, value_parser = when::duration, default_value = "5m")]
+    #[arg(long, env = "INBOX_STALE_AFTER", value_parser = when::duration, default_value = "5m")]
     stale_after: std::time::Duration,
     /// Also count every PROCESSED row (scans the table; by default only the last hour's are
     /// counted, through the processed_at index).

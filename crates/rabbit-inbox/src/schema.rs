@@ -1,8 +1,11 @@
 //! The inbox schema: a validated PostgreSQL schema name and the embedded migrations.
 
-use std::fmt;
+use std::{fmt, sync::LazyLock};
 
-use sqlx::{AssertSqlSafe, PgConnection, PgPool, migrate::Migrator};
+use sqlx::{
+    AssertSqlSafe, PgConnection, PgPool, SqlSafeStr,
+    migrate::{Migration, MigrationType, Migrator},
+};
 
 use crate::{
     advisory_lock::{self, SessionLock},
@@ -11,7 +14,60 @@ use crate::{
 
 /// The inbox's migrations. One static serves every schema: the SQL uses unqualified names and
 /// [`migrate`] runs it with `search_path` set to the target schema.
-pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+pub static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
+    Migrator::with_migrations(
+        MIGRATION_FILES
+            .iter()
+            .map(|&(version, name, sql)| migration(version, name, sql))
+            .collect(),
+    )
+});
+
+/// Includes `migrations/<name>.sql` as `(version, name, sql)`.
+macro_rules! migration_file {
+    ($version:literal, $name:literal) => {
+        (
+            $version,
+            $name,
+            include_str!(concat!("../migrations/", $name, ".sql")),
+        )
+    };
+}
+
+/// The files of `migrations/`, by name without `.sql`, in order. Embedded here rather than by
+/// `sqlx::migrate!`, which would pull sqlx's compile-time query machinery into every build; a
+/// test checks that the list matches the directory.
+const MIGRATION_FILES: &[(i64, &str, &str)] = &[
+    migration_file!(1, "0001_inbox"),
+    migration_file!(2, "0002_lean_indexes"),
+    migration_file!(3, "0003_operations"),
+    migration_file!(4, "0004_audit_truncate"),
+    migration_file!(5, "0005_leases"),
+    migration_file!(6, "0006_outbox"),
+    migration_file!(7, "0007_retention_privacy"),
+    migration_file!(9, "0009_validate_status_check"),
+    migration_file!(10, "0010_audit_and_error_privacy"),
+    migration_file!(11, "0011_copy_marks"),
+    migration_file!(12, "0012_outbox_fillfactor"),
+    migration_file!(13, "0013_history_and_replacement"),
+    migration_file!(14, "0014_replaced_by_index"),
+    migration_file!(15, "0015_correlation_index"),
+    migration_file!(16, "0016_scrub_event"),
+];
+
+/// The migration in file `<version>_<description>.sql` (`name` without `.sql`), read as `sqlx::migrate!` reads it: the
+/// description with `_` as spaces, a simple (up-only) migration, run outside a transaction when
+/// its first line is `-- no-transaction`; its checksum is the SQL's SHA-384, as sqlx records it.
+fn migration(version: i64, name: &'static str, sql: &'static str) -> Migration {
+    let description = name.split_once('_').map_or(name, |(_, d)| d);
+    Migration::new(
+        version,
+        description.replace('_', " ").into(),
+        MigrationType::Simple,
+        sql.into_sql_str(),
+        sql.starts_with("-- no-transaction"),
+    )
+}
 
 /// Name of the migrations table, created inside the inbox schema so the library never touches
 /// an application's own `_sqlx_migrations`.
@@ -219,28 +275,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn migration_indexes_are_the_ones_left_in_place() {
-        let indexes = migration_indexes();
-        for expected in [
-            "idx_message_inbox_open",
-            "idx_message_inbox_processed_at",
-            "idx_message_inbox_aggregate",
-            "idx_inbox_tombstone_removed_at",
-            "outbox_pending",
-        ] {
-            assert!(
-                indexes.iter().any(|i| i == expected),
-                "{expected}: {indexes:?}"
-            );
+    fn every_migration_file_is_embedded_under_its_version() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations");
+        let mut on_disk: Vec<String> = std::fs::read_dir(dir)
+            .expect("the migrations directory")
+            .map(|e| {
+                e.expect("a directory entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .filter_map(|f| f.strip_suffix(".sql").map(str::to_owned))
+            .collect();
+        on_disk.sort();
+        let embedded: Vec<&str> = MIGRATION_FILES.iter().map(|&(_, name, _)| name).collect();
+        assert_eq!(embedded, on_disk, "add the new file to MIGRATION_FILES");
+        for &(version, name, _) in MIGRATION_FILES {
+            let prefix = name.split_once('_').map(|(v, _)| v.parse::<i64>());
+            assert_eq!(prefix, Some(Ok(version)), "{name}");
         }
-        // Dropped by 0002.
-        assert!(!indexes.iter().any(|i| i == "idx_message_inbox_status"));
-        assert_eq!(
-            indexes
-                .iter()
-                .filter(|i| *i == "idx_message_inbox_aggregate")
-                .count(),
-            1
+        assert!(
+            MIGRATOR.migrations.iter().any(|m| m.no_tx),
+            "-- no-transaction is read"
         );
     }
 

@@ -8,15 +8,12 @@ use rabbit_inbox::{RetryPolicy, SchemaName, Topology, broker::Broker};
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio::process::Command;
 
-/// Variables an operator's shell may carry that would stand in for a flag a test leaves out
-/// on purpose, or add log lines to the output a test reads.
-const UNSET: [&str; 5] = [
-    "RUST_LOG",
-    "INBOX_SCHEMA",
-    "INBOX_CONSUMER",
-    "INBOX_ACTOR",
-    "INBOX_MANAGEMENT_URL",
-];
+/// Whether a variable of the operator's shell could stand in for a flag a test leaves out on
+/// purpose (the `INBOX_*` settings, `INBOXCTL_CONFIG`), or add log lines to the output a test
+/// reads (`RUST_LOG`).
+fn unset(name: &str) -> bool {
+    name == "RUST_LOG" || name.starts_with("INBOX_") || name.starts_with("INBOXCTL_")
+}
 
 /// `inboxctl`, reaching the test servers.
 pub(crate) fn command() -> Command {
@@ -24,8 +21,10 @@ pub(crate) fn command() -> Command {
     command
         .env("DATABASE_URL", database_url())
         .env("AMQP_URL", amqp_url());
-    for name in UNSET {
-        command.env_remove(name);
+    for (name, _) in std::env::vars_os() {
+        if unset(&name.to_string_lossy()) {
+            command.env_remove(name);
+        }
     }
     command
 }

@@ -1,6 +1,7 @@
 //! The operator tool's integration tests, one binary: the built `inboxctl` run as an operator
 //! runs it (`migrate`, `status`, `list`, `show`, `failures`, `redrive`, `reopen`,
-//! `replay-edited`, `recover`, `cleanup`, `grants`, `doctor`, `serve`), against the real PostgreSQL and
+//! `replay-edited`, `recover`, `cleanup`, `grants`, `doctor`, `serve`, and the settings
+//! file), against the real PostgreSQL and
 //! RabbitMQ (`DATABASE_URL`, `AMQP_URL`; see the test kit) and RabbitMQ's management API. Each
 //! test works in its own schema and queues, removed afterwards.
 
@@ -12,4 +13,5 @@ mod read_commands;
 mod recover_cli;
 mod replay_cli;
 mod serve_cli;
+mod settings_cli;
 mod simultaneous_start;
