@@ -83,9 +83,6 @@ mod consumer;
 mod runner;
 mod sampler;
 
-#[cfg(any(doc, doctest))]
-pub mod guide;
-
 pub use broker::{QueueType, Topology};
 pub use config::ConsumerConfig;
 pub use consumer::Consumer;
