@@ -622,7 +622,10 @@ impl<
                 // headers after that check), and refusing one would close the connection on
                 // every redelivery. A frame that parsed fits in the receive buffer.
                 if frame_max > 0 && consumed > frame_max {
-                    debug!(bytes = consumed, frame_max, "received a frame larger than frame_max");
+                    debug!(
+                        bytes = consumed,
+                        frame_max, "received a frame larger than frame_max"
+                    );
                 }
                 self.receive_buffer.consume(consumed);
                 Ok(Some(f))
