@@ -726,7 +726,8 @@ mod tests {
         bytes.extend_from_slice(&payload);
         bytes.push(0xCE);
         assert!(bytes.len() > frame_max as usize);
-        io_loop.receive_buffer.write_all(&bytes).unwrap();
+        // `io::Write` is implemented for `&mut Buffer`.
+        (&mut io_loop.receive_buffer).write_all(&bytes).unwrap();
 
         let frame = io_loop
             .parse(&KillSwitch::default())
