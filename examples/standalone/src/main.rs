@@ -157,7 +157,8 @@ async fn get_health(address: std::net::SocketAddr) -> anyhow::Result<String> {
     tokio::task::spawn_blocking(move || -> anyhow::Result<String> {
         let mut stream = std::net::TcpStream::connect(address)?;
         stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-        stream.write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+        stream
+            .write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
         let mut answer = String::new();
         stream.read_to_string(&mut answer)?;
         Ok(answer.lines().next().unwrap_or_default().to_owned())

@@ -676,7 +676,8 @@ mod tests {
     /// grew a content header) is parsed and handed on, not refused with a connection error.
     #[test]
     fn a_frame_larger_than_frame_max_is_taken() {
-        let frame_max: FrameSize = 4096;
+        // The smallest frame_max there is (a lower one is raised to it).
+        let frame_max = protocol::constants::FRAME_MIN_SIZE;
         let uri = AMQPUri::default();
         let runtime = runtime::default_runtime().unwrap();
         let configuration = Configuration::new(&uri, ConnectionProperties::default());
@@ -726,6 +727,7 @@ mod tests {
         bytes.extend_from_slice(&payload);
         bytes.push(0xCE);
         assert!(bytes.len() > frame_max as usize);
+        assert_eq!(io_loop.configuration.frame_max(), frame_max);
         // `io::Write` is implemented for `&mut Buffer`.
         (&mut io_loop.receive_buffer).write_all(&bytes).unwrap();
 
