@@ -22,7 +22,7 @@ use crate::{
 };
 
 /// Most levels of field tables and arrays a header value may nest, the headers table itself
-/// included. The patched frame parser (`patches/amq-protocol-types`) keeps the same bound and
+/// included. The patched frame parser (`forks/amq-protocol-types`) keeps the same bound and
 /// replaces anything deeper with a marker before the client hands the delivery over.
 pub const MAX_HEADER_DEPTH: usize = 64;
 

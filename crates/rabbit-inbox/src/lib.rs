@@ -87,9 +87,6 @@ pub mod testing;
 mod runner;
 mod sampler;
 
-#[cfg(any(doc, doctest))]
-pub mod guide;
-
 pub use broker::{QueueType, Topology};
 pub use config::ConsumerConfig;
 pub use consumer::Consumer;

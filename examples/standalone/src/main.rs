@@ -7,6 +7,9 @@
 //! recorded once. It removes its schema and queues on every path and exits non-zero on any
 //! violation.
 //!
+//! Like a service, it also serves a health endpoint (axum) and records the library's metrics
+//! (Prometheus); the run checks that both answer.
+//!
 //! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`), `AMQP_URL` (default
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`); `RUST_LOG=info` shows the library's logs.
 
@@ -87,6 +90,12 @@ async fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .init();
+    // The library's counters and histograms; a service would also serve them
+    // (`PrometheusBuilder::with_http_listener`), this run only reads them back.
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the Prometheus recorder")?;
+    let health = serve_health().await?;
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     let amqp_url = std::env::var("AMQP_URL")
@@ -112,7 +121,50 @@ async fn main() -> anyhow::Result<()> {
         // The run's error is the one returned; this one must not go unreported.
         eprintln!("cleanup failed as well: {c:#}");
     }
-    outcome.and(cleaned)
+    outcome.and(cleaned)?;
+
+    let rendered = metrics.render();
+    if !rendered.contains("rabbit_inbox_duplicates_total") {
+        bail!("the library recorded no rabbit_inbox_duplicates_total counter:\n{rendered}");
+    }
+    let answer = get_health(health).await?;
+    if !answer.starts_with("HTTP/1.1 200") {
+        bail!("the health endpoint answered {answer:?}");
+    }
+    tracing::info!(%health, "metrics recorded and health endpoint answering");
+    println!("ok: metrics recorded, health endpoint at {health} answers 200");
+    Ok(())
+}
+
+/// Serves `GET /health` on a free local port, in the background, and returns its address.
+async fn serve_health() -> anyhow::Result<std::net::SocketAddr> {
+    let app = axum::Router::new().route("/health", axum::routing::get(|| async { "ok" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding the health endpoint")?;
+    let address = listener.local_addr()?;
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "the health endpoint stopped");
+        }
+    });
+    Ok(address)
+}
+
+/// The status line of `GET /health`, over a plain socket (no HTTP client needed).
+async fn get_health(address: std::net::SocketAddr) -> anyhow::Result<String> {
+    use std::io::{Read, Write};
+    tokio::task::spawn_blocking(move || -> anyhow::Result<String> {
+        let mut stream = std::net::TcpStream::connect(address)?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        stream
+            .write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer)?;
+        Ok(answer.lines().next().unwrap_or_default().to_owned())
+    })
+    .await?
+    .with_context(|| format!("asking the health endpoint at {address}"))
 }
 
 /// Sets up, publishes, consumes and verifies; the caller cleans up whatever happens here.

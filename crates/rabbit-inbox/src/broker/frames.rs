@@ -4,7 +4,7 @@
 //!
 //! RabbitMQ accepts a content header frame whose payload is up to `frame_max` bytes, and
 //! closes the connection of a publisher that sends a larger one (it delivers larger ones
-//! itself, after dead-lettering added `x-death` headers; the patched lapin, `patches/lapin`,
+//! itself, after dead-lettering added `x-death` headers; the patched lapin, `forks/lapin`,
 //! takes every frame). A retry or parking copy carries the producer's headers plus the
 //! consumer's `x-inbox-*` ones, so a delivery whose header already fills the frame could not be
 //! copied at all: its copy would be refused, the delivery requeued, and so on.

@@ -49,8 +49,6 @@ const LAYERS: &[&str] = &[
     // Beside the runtime, never inside it.
     "runner",
     "sampler",
-    // Documentation only.
-    "guide",
 ];
 
 /// Pairs that the order alone would allow but the architecture does not: the processor and

@@ -7,7 +7,7 @@
 //! frame of 131,409 bytes. The published lapin refused any frame over `frame_max` bytes in all
 //! (`FRAME-ERROR: frame too large`), so each of these messages closed the consumer's
 //! connection, came back first on the next one, and stopped the queue for good. With
-//! `patches/lapin` each is parked under its own message id as `headers_too_large`, its parked
+//! `forks/lapin` each is parked under its own message id as `headers_too_large`, its parked
 //! copy without the oversized headers, and the queue goes on.
 //!
 //! The messages are written as raw frames: lapin, as a producer, does not check the size of

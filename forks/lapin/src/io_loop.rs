@@ -622,7 +622,10 @@ impl<
                 // headers after that check), and refusing one would close the connection on
                 // every redelivery. A frame that parsed fits in the receive buffer.
                 if frame_max > 0 && consumed > frame_max {
-                    debug!(bytes = consumed, frame_max, "received a frame larger than frame_max");
+                    debug!(
+                        bytes = consumed,
+                        frame_max, "received a frame larger than frame_max"
+                    );
                 }
                 self.receive_buffer.consume(consumed);
                 Ok(Some(f))
@@ -658,4 +661,82 @@ fn io_loop_span(connect_span: tracing::Span) -> tracing::Span {
     // connect operation, so we set it as a follows_from relationship.
     span.follows_from(&connect_span);
     span
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        ConnectionProperties, configuration::Configuration, events::Events,
+        internal_rpc::InternalRPC, runtime, secret_update::SecretUpdate,
+    };
+    use std::io::Write;
+
+    /// A frame larger than the negotiated `frame_max` (as RabbitMQ sends after dead-lettering
+    /// grew a content header) is parsed and handed on, not refused with a connection error.
+    #[test]
+    fn a_frame_larger_than_frame_max_is_taken() {
+        // The smallest frame_max there is (a lower one is raised to it).
+        let frame_max = protocol::constants::FRAME_MIN_SIZE;
+        let uri = AMQPUri::default();
+        let runtime = runtime::default_runtime().unwrap();
+        let configuration = Configuration::new(&uri, ConnectionProperties::default());
+        configuration.negotiated_config.set_frame_max(frame_max);
+        let status = ConnectionStatus::new(&uri);
+        let frames = Frames::default();
+        let socket_state = SocketState::default();
+        let heartbeat = Heartbeat::new(status.clone(), runtime.clone());
+        let secret_update = SecretUpdate::new(
+            status.clone(),
+            runtime.clone(),
+            configuration.auth_provider.clone(),
+        );
+        let internal_rpc = InternalRPC::new(
+            runtime.clone(),
+            heartbeat.clone(),
+            secret_update,
+            frames.clone(),
+            socket_state.handle(),
+        );
+        let channels = Channels::new(
+            configuration.clone(),
+            status.clone(),
+            socket_state.handle(),
+            internal_rpc.handle(),
+            frames.clone(),
+            Events::new(),
+        );
+        let mut io_loop = IoLoop::new(
+            status.clone(),
+            configuration.negotiated_config.clone(),
+            channels,
+            internal_rpc.handle(),
+            frames,
+            socket_state,
+            heartbeat,
+            runtime,
+            async |_, _| Err(io::Error::from(io::ErrorKind::Unsupported).into()),
+            uri,
+            configuration.backoff,
+        );
+
+        // A body frame on channel 1: type, channel, payload size, payload, frame end.
+        let payload = vec![7u8; frame_max as usize];
+        let mut bytes = vec![3, 0, 1];
+        bytes.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        bytes.extend_from_slice(&payload);
+        bytes.push(0xCE);
+        assert!(bytes.len() > frame_max as usize);
+        assert_eq!(io_loop.configuration.frame_max(), frame_max);
+        // `io::Write` is implemented for `&mut Buffer`.
+        (&mut io_loop.receive_buffer).write_all(&bytes).unwrap();
+
+        let frame = io_loop
+            .parse(&KillSwitch::default())
+            .expect("a frame over frame_max is not an error")
+            .expect("the frame is parsed");
+        assert!(matches!(frame, AMQPFrame::Body(1, body) if body == payload));
+        assert_eq!(io_loop.receive_buffer.available_data(), 0);
+        assert!(!status.errored());
+    }
 }
