@@ -128,3 +128,38 @@ mod tests {
         );
     }
 }
+
+/// Drops a schema when dropped, also while a panicking test unwinds: from a thread with a
+/// runtime of its own, since the test's runtime may be gone.
+#[derive(Debug)]
+pub struct DropSchemaOnDrop(pub rabbit_inbox::SchemaName);
+
+impl Drop for DropSchemaOnDrop {
+    fn drop(&mut self) {
+        let schema = self.0.clone();
+        let _ = std::thread::spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("cleanup: cannot build a runtime: {e}");
+                    return;
+                }
+            };
+            runtime.block_on(async {
+                match sqlx::PgPool::connect(&database_url()).await {
+                    Ok(pool) => {
+                        if let Err(e) = rabbit_inbox::schema::drop_schema(&pool, &schema).await {
+                            eprintln!("cleanup: dropping schema {schema}: {e}");
+                        }
+                        pool.close().await;
+                    }
+                    Err(e) => eprintln!("cleanup: cannot reach PostgreSQL: {e}"),
+                }
+            });
+        })
+        .join();
+    }
+}

@@ -5,8 +5,9 @@
 
 use std::time::Duration;
 
+use inbox_testkit::DropSchemaOnDrop;
 use inbox_testkit::env::{TestEnv, message, wait_for};
-use rabbit_inbox::{Handler, HandlerError, InboxMessage, InboxStatus};
+use rabbit_inbox::{Handler, HandlerError, InboxMessage, InboxStatus, SchemaName};
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection};
@@ -46,29 +47,6 @@ impl Handler for Deposits {
     }
 }
 
-/// Drops the business schema when the test ends, also when it panics.
-struct DropSchema {
-    pool: sqlx::PgPool,
-    name: String,
-}
-
-impl Drop for DropSchema {
-    fn drop(&mut self) {
-        let pool = self.pool.clone();
-        let sql = format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name);
-        let dropped = std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map(|rt| rt.block_on(sqlx::raw_sql(AssertSqlSafe(sql)).execute(&pool)))
-        })
-        .join();
-        if !matches!(dropped, Ok(Ok(Ok(_)))) {
-            eprintln!("cannot drop schema {}", self.name);
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn business_tables_named_through_search_path_leave_the_ledger_untouched() {
     let env = TestEnv::new().await;
@@ -81,10 +59,7 @@ async fn business_tables_named_through_search_path_leave_the_ledger_untouched() 
     .execute(&env.pool)
     .await
     .expect("business schema");
-    let _drop = DropSchema {
-        pool: env.pool.clone(),
-        name: business.clone(),
-    };
+    let _drop = DropSchemaOnDrop(SchemaName::new(business.clone()).expect("schema name"));
     // The service's pool: its business schema alone on the search_path (not `public`, not the
     // inbox's schema).
     let options: PgConnectOptions = inbox_testkit::database_url()

@@ -7,6 +7,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+use inbox_testkit::DropSchemaOnDrop;
 use rabbit_inbox::{SchemaName, schema::MIGRATOR, schema::SchemaLock};
 use sqlx::{PgPool, postgres::PgPoolOptions};
 use tokio::sync::Barrier;
@@ -35,28 +36,6 @@ async fn instance_pool() -> PgPool {
         .expect("PostgreSQL is reachable")
 }
 
-/// Drops the schema when dropped, also when the test panics.
-struct DropSchema(SchemaName);
-
-impl Drop for DropSchema {
-    fn drop(&mut self) {
-        let schema = self.0.clone();
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("cleanup runtime");
-            runtime.block_on(async {
-                if let Ok(pool) = PgPool::connect(&database_url()).await {
-                    let _ = rabbit_inbox::schema::drop_schema(&pool, &schema).await;
-                    pool.close().await;
-                }
-            });
-        })
-        .join();
-    }
-}
-
 /// How many relations named `name` the schema holds.
 async fn relations(pool: &PgPool, schema: &SchemaName, name: &str) -> i64 {
     sqlx::query_scalar(
@@ -75,7 +54,7 @@ async fn simultaneous_migrations_of_a_fresh_schema_all_succeed() {
     // Several rounds: each is a fresh schema, and one round may by chance not overlap.
     for round in 0..3 {
         let schema = fresh_schema();
-        let _cleanup = DropSchema(schema.clone());
+        let _cleanup = DropSchemaOnDrop(schema.clone());
         let mut pools = Vec::new();
         for _ in 0..INSTANCES {
             pools.push(instance_pool().await);
@@ -121,7 +100,7 @@ async fn simultaneous_migrations_of_a_fresh_schema_all_succeed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_index_build_completes_while_other_instances_wait_for_the_schema_lock() {
     let schema = fresh_schema();
-    let _cleanup = DropSchema(schema.clone());
+    let _cleanup = DropSchemaOnDrop(schema.clone());
     let pool = instance_pool().await;
     rabbit_inbox::migrate(&pool, &schema)
         .await
@@ -181,7 +160,7 @@ async fn concurrent_index_build_completes_while_other_instances_wait_for_the_sch
 #[tokio::test]
 async fn schema_lock_dropped_without_release_is_released_with_its_session() {
     let schema = fresh_schema();
-    let _cleanup = DropSchema(schema.clone());
+    let _cleanup = DropSchemaOnDrop(schema.clone());
     let (first, second) = (instance_pool().await, instance_pool().await);
     let lock = SchemaLock::acquire(&first, &schema)
         .await

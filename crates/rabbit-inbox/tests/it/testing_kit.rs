@@ -77,24 +77,9 @@ impl Scratch {
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        let Some(scratch) = self.0.take() else { return };
-        let name = scratch.name().clone();
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("a runtime for the cleanup");
-            runtime.block_on(async {
-                let pool = sqlx::PgPool::connect(&inbox_testkit::database_url())
-                    .await
-                    .expect("PostgreSQL is reachable");
-                if let Err(e) = rabbit_inbox::schema::drop_schema(&pool, &name).await {
-                    eprintln!("cleanup: dropping schema {name}: {e}");
-                }
-                pool.close().await;
-            });
-        })
-        .join();
+        if let Some(scratch) = self.0.take() {
+            drop(inbox_testkit::DropSchemaOnDrop(scratch.name().clone()));
+        }
     }
 }
 
