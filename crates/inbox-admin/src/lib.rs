@@ -229,7 +229,7 @@ fn router(server: &Arc<Server>, hosts: host::AllowedHosts, options: &ServeOption
             }),
         )
         .route("/", get(dashboard::index))
-        .route("/assets/app.js", get(dashboard::script))
+        .route("/assets/js/{module}", get(dashboard::module))
         .route("/assets/app.css", get(dashboard::style))
         .route("/assets/uplot.js", get(dashboard::chart_script))
         .route("/assets/uplot.css", get(dashboard::chart_style))
