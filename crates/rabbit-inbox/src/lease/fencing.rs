@@ -86,7 +86,8 @@ impl Lease {
     /// Runs `f` in a transaction that commits only while this lease is the row's: the row is
     /// locked (`SELECT .. FOR UPDATE`) and its token and owner checked before `f` runs, so no
     /// takeover can come between the check and the commit. For intermediate writes
-    /// (checkpoints a successor can read); the effect belongs in [`LeasedHandler::commit`].
+    /// (checkpoints a successor can read); the effect belongs in
+    /// [`LeasedHandler::commit`](crate::LeasedHandler::commit).
     ///
     /// ```no_run
     /// # async fn step(lease: &rabbit_inbox::Lease) -> Result<(), rabbit_inbox::HandlerError> {
