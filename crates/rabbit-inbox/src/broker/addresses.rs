@@ -9,7 +9,7 @@ use std::{fmt, str::FromStr, time::Duration};
 
 use lapin::{Connection, ConnectionProperties, uri::AMQPScheme, uri::AMQPUri};
 
-use super::tls::{AmqpTls, TlsFiles};
+use super::tls::{AmqpTls, TlsFiles, redacted};
 use crate::error::{AmqpResult, BrokerError, ConfigError};
 
 /// How long one address may take to accept a connection before the next is tried. A node that
@@ -146,20 +146,10 @@ fn tls_refusal(e: &lapin::Error, node: &str) -> Option<BrokerError> {
     })
 }
 
-/// `url` with any password replaced, for error messages.
-pub(super) fn redacted(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
-        return url.to_owned();
-    };
-    let rest = &url[scheme_end..];
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    match rest[..authority_end].rfind('@') {
-        Some(at) => {
-            let user = rest[..at].split(':').next().unwrap_or("");
-            format!("{}{user}:***{}", &url[..scheme_end], &rest[at..])
-        }
-        None => url.to_owned(),
-    }
+/// Opens a connection named `name` to the first reachable of `amqp_url`'s addresses (one URL
+/// or several, comma-separated; see [`AmqpAddresses`]).
+pub(super) async fn connect(amqp_url: &str, name: &str) -> Result<Connection, BrokerError> {
+    AmqpAddresses::parse(amqp_url)?.connect(name).await
 }
 
 /// A bad broker address is a configuration error, reported when the consumer (or relay) is

@@ -14,7 +14,7 @@ use lapin::{
 use tokio::time::Instant;
 
 use super::{
-    connect,
+    addresses::connect,
     headers::short,
     publish::OutgoingMessage,
     topology::{Exchange, declare_exchange},

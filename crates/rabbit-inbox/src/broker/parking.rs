@@ -11,9 +11,9 @@ use lapin::{
 use serde::Serialize;
 
 use super::{
-    connect,
+    addresses::connect,
+    delivery::amqp_message,
     publish::{confirm_channel, publish_confirmed},
-    session::amqp_message,
 };
 use crate::{
     envelope::AmqpMessage,

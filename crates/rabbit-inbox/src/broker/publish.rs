@@ -14,12 +14,11 @@ use lapin::{
 };
 use serde_json::{Map, Value};
 
-use super::topology::{Exchange, Topology};
 use super::{
-    connect,
+    addresses::connect,
+    delivery::amqp_message,
     headers::{json_to_table, short},
-    session::amqp_message,
-    topology::declare,
+    topology::{Exchange, Topology, declare, declare_exchange},
 };
 use crate::{
     envelope::AmqpMessage,
@@ -130,7 +129,7 @@ impl Broker {
     /// Declares `exchange` with its type and durability. Idempotent; an exchange that exists
     /// with another type or durability is an error (PRECONDITION_FAILED).
     pub async fn declare_exchange_as(&self, exchange: &Exchange) -> Result<(), BrokerError> {
-        super::topology::declare_exchange(&self.channel, exchange).await
+        declare_exchange(&self.channel, exchange).await
     }
 
     /// Publishes and waits for the broker's confirm. Unroutable messages are errors.

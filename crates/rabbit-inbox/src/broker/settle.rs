@@ -15,10 +15,8 @@ use lapin::{
 };
 
 use super::{
-    frames,
-    headers::long_string,
-    publish::Publisher,
-    session::{PendingDelivery, SessionSettings},
+    delivery::PendingDelivery, frames, headers::long_string, publish::Publisher,
+    settings::SessionSettings,
 };
 use crate::{
     backoff::Backoff,
@@ -84,6 +82,24 @@ impl AckState {
             .into_values()
             .collect()
     }
+}
+
+/// What an outcome asks of the broker for its delivery.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one at a time, moved straight into a `Copy`; boxing would add an allocation per copy"
+)]
+enum Settlement<'a> {
+    /// Ack it (with the settled prefix).
+    Ack,
+    /// Requeue it now: it could not be processed.
+    Requeue,
+    /// Copy it to `queue`, and ack it once the copy is confirmed, noting `note` on its row.
+    Copy {
+        queue: &'a str,
+        properties: BasicProperties,
+        note: Option<ConfirmedCopy>,
+    },
 }
 
 /// A delivery to copy to another queue before it is acked.
@@ -177,93 +193,142 @@ impl Settler {
         let mut copies = Vec::new();
         let mut unsettled = 0;
         for (pending, outcome, envelope) in batch {
-            let (queue, properties, note) = match outcome {
-                Outcome::Processed | Outcome::Duplicate | Outcome::CopyPending { .. } => {
-                    to_ack.push((pending.tag(), pending.received_at));
-                    continue;
-                }
-                Outcome::Unrecorded { .. } => {
-                    // Cannot be processed now: back to the queue (the lane waited already).
-                    match requeue(&pending).await {
-                        Ok(()) => {
-                            stats.record_latencies([pending.received_at.elapsed()]);
-                            settled.push(pending.tag());
-                        }
-                        Err(()) => unsettled += 1,
+            match self.settlement(&pending, outcome, envelope) {
+                Settlement::Ack => to_ack.push((pending.tag(), pending.received_at)),
+                // Cannot be processed now: back to the queue (the lane waited already).
+                Settlement::Requeue => match requeue(&pending).await {
+                    Ok(()) => {
+                        stats.record_latencies([pending.received_at.elapsed()]);
+                        settled.push(pending.tag());
                     }
-                    continue;
-                }
-                Outcome::RetryScheduled { attempt, .. } => {
-                    let mut scheduled = FieldTable::default();
-                    scheduled.insert(
-                        parking_headers::RETRY_ATTEMPT.into(),
-                        AMQPValue::LongLongInt(i64::from(*attempt)),
-                    );
-                    (
-                        self.retry_tier(*attempt),
-                        copy_properties(&pending.delivery, scheduled),
-                        Some(ConfirmedCopy {
-                            message_id: envelope.message_id.clone(),
-                            attempt: *attempt,
-                            kind: ConfirmedCopyKind::Retry(self.retry_delay(*attempt)),
-                        }),
-                    )
-                }
-                // Not the row's retry: the row is another consumer's, and nothing is noted.
-                // Attempt 0 names no scheduled retry, so a scheduled copy passing through here
-                // does not come back as one.
-                Outcome::InFlightElsewhere => {
-                    let mut unscheduled = FieldTable::default();
-                    unscheduled.insert(
-                        parking_headers::RETRY_ATTEMPT.into(),
-                        AMQPValue::LongLongInt(0),
-                    );
-                    (
-                        self.retry_tier(1),
-                        copy_properties(&pending.delivery, unscheduled),
-                        None,
-                    )
-                }
-                Outcome::Parked {
-                    status,
-                    code,
-                    message,
-                    attempt,
-                } => (
-                    &*self.parking_queue,
-                    copy_properties(
-                        &pending.delivery,
-                        self.reason_headers(envelope, status.as_str(), code, message),
-                    ),
-                    attempt.map(|attempt| ConfirmedCopy {
-                        message_id: envelope.message_id.clone(),
-                        attempt,
-                        kind: ConfirmedCopyKind::Parked,
-                    }),
-                ),
-            };
-            // A copy the broker would refuse would come back, and be refused, for ever.
-            let (properties, dropped) = frames::fit(properties, self.frame_max);
-            if dropped.count > 0 {
-                tracing::warn!(
-                    delivery_tag = pending.tag(),
-                    inbox_key = %envelope.message_id,
-                    dropped_headers = dropped.count,
-                    dropped_bytes = dropped.bytes,
+                    Err(()) => unsettled += 1,
+                },
+                Settlement::Copy {
                     queue,
-                    "the copy would not fit in a frame; the largest headers are left out of it"
-                );
+                    properties,
+                    note,
+                } => copies.push(self.fitted_copy(pending, queue, properties, envelope, note)),
             }
-            copies.push(Copy {
-                pending,
-                queue,
-                properties,
-                body: &envelope.body,
-                note,
-            });
         }
 
-        // All copies in flight at once: one confirm round trip for the batch.
+        let (confirmed, failed) = self.publish_copies(copies, &mut to_ack).await;
+        // Noted before the acks: a delivery redelivered after a lost ack must find its copy
+        // noted. Only after the confirm: a noted copy the broker never took would turn the
+        // next delivery of the message into a dropped duplicate.
+        if !confirmed.is_empty() {
+            note_copies(confirmed).await;
+        }
+        let published = !to_ack.is_empty();
+        unsettled += self.ack_settled(&settled, &to_ack, stats).await;
+        unsettled += self.requeue_not_copied(failed, published, stats).await;
+        if unsettled > 0 {
+            stats.record_settle_failures(unsettled as u64);
+        }
+        unsettled
+    }
+
+    /// What `outcome` asks of the broker for `pending`: an ack, a requeue, or a copy (to a
+    /// retry tier or the parking lot) before the ack.
+    fn settlement(
+        &self,
+        pending: &PendingDelivery,
+        outcome: &Outcome,
+        envelope: &Envelope,
+    ) -> Settlement<'_> {
+        match outcome {
+            Outcome::Processed | Outcome::Duplicate | Outcome::CopyPending { .. } => {
+                Settlement::Ack
+            }
+            Outcome::Unrecorded { .. } => Settlement::Requeue,
+            Outcome::RetryScheduled { attempt, .. } => {
+                let mut scheduled = FieldTable::default();
+                scheduled.insert(
+                    parking_headers::RETRY_ATTEMPT.into(),
+                    AMQPValue::LongLongInt(i64::from(*attempt)),
+                );
+                Settlement::Copy {
+                    queue: self.retry_tier(*attempt),
+                    properties: copy_properties(&pending.delivery, scheduled),
+                    note: Some(ConfirmedCopy {
+                        message_id: envelope.message_id.clone(),
+                        attempt: *attempt,
+                        kind: ConfirmedCopyKind::Retry(self.retry_delay(*attempt)),
+                    }),
+                }
+            }
+            // Not the row's retry: the row is another consumer's, and nothing is noted.
+            // Attempt 0 names no scheduled retry, so a scheduled copy passing through here
+            // does not come back as one.
+            Outcome::InFlightElsewhere => {
+                let mut unscheduled = FieldTable::default();
+                unscheduled.insert(
+                    parking_headers::RETRY_ATTEMPT.into(),
+                    AMQPValue::LongLongInt(0),
+                );
+                Settlement::Copy {
+                    queue: self.retry_tier(1),
+                    properties: copy_properties(&pending.delivery, unscheduled),
+                    note: None,
+                }
+            }
+            Outcome::Parked {
+                status,
+                code,
+                message,
+                attempt,
+            } => Settlement::Copy {
+                queue: &self.parking_queue,
+                properties: copy_properties(
+                    &pending.delivery,
+                    self.reason_headers(envelope, status.as_str(), code, message),
+                ),
+                note: attempt.map(|attempt| ConfirmedCopy {
+                    message_id: envelope.message_id.clone(),
+                    attempt,
+                    kind: ConfirmedCopyKind::Parked,
+                }),
+            },
+        }
+    }
+
+    /// The copy of `pending` to publish to `queue`, its headers cut to fit in `frame_max`.
+    fn fitted_copy<'a>(
+        &self,
+        pending: PendingDelivery,
+        queue: &'a str,
+        properties: BasicProperties,
+        envelope: &'a Envelope,
+        note: Option<ConfirmedCopy>,
+    ) -> Copy<'a> {
+        // A copy the broker would refuse would come back, and be refused, for ever.
+        let (properties, dropped) = frames::fit(properties, self.frame_max);
+        if dropped.count > 0 {
+            tracing::warn!(
+                delivery_tag = pending.tag(),
+                inbox_key = %envelope.message_id,
+                dropped_headers = dropped.count,
+                dropped_bytes = dropped.bytes,
+                queue,
+                "the copy would not fit in a frame; the largest headers are left out of it"
+            );
+        }
+        Copy {
+            pending,
+            queue,
+            properties,
+            body: &envelope.body,
+            note,
+        }
+    }
+
+    /// Publishes `copies` all at once (one confirm round trip for the batch). A confirmed
+    /// copy's delivery joins `to_ack` and its note is returned; the deliveries of the copies
+    /// not confirmed are returned beside the notes.
+    async fn publish_copies(
+        &self,
+        copies: Vec<Copy<'_>>,
+        to_ack: &mut Vec<(u64, Instant)>,
+    ) -> (Vec<ConfirmedCopy>, Vec<PendingDelivery>) {
         let results = futures::future::join_all(copies.iter().map(|c| {
             self.publisher
                 .publish_to_queue(c.queue, c.body, c.properties.clone(), SETTLE_TIMEOUT)
@@ -283,42 +348,42 @@ impl Settler {
                 }
             }
         }
-        // Noted before the acks: a delivery redelivered after a lost ack must find its copy
-        // noted. Only after the confirm: a noted copy the broker never took would turn the
-        // next delivery of the message into a dropped duplicate.
-        if !confirmed.is_empty() {
-            note_copies(confirmed).await;
-        }
-        let published = !to_ack.is_empty();
-        unsettled += self.ack_settled(&settled, &to_ack, stats).await;
+        (confirmed, failed)
+    }
 
+    /// Requeues the deliveries whose copies `failed`, after the publish back-off; with none
+    /// failed, a batch that `published` resets the back-off. Returns how many could not be
+    /// settled.
+    async fn requeue_not_copied(
+        &self,
+        failed: Vec<PendingDelivery>,
+        published: bool,
+        stats: &ConsumerStats,
+    ) -> usize {
         if failed.is_empty() {
             if published {
                 self.publish_backoff.succeeded();
             }
-        } else {
-            // Not copied: keep the message. It comes back and its copy is published again;
-            // the wait keeps a broker that refuses copies from becoming a hot loop, and the
-            // consuming channel (and session) stays.
-            let delay = self.publish_backoff.failed();
-            tracing::warn!(failed = failed.len(), retry_in = ?delay, "publishing copies failed; requeueing after back-off");
-            tokio::time::sleep(delay).await;
-            let mut requeued = Vec::new();
-            for pending in failed {
-                match requeue(&pending).await {
-                    Ok(()) => {
-                        stats.record_latencies([pending.received_at.elapsed()]);
-                        requeued.push(pending.tag());
-                    }
-                    Err(()) => unsettled += 1,
+            return 0;
+        }
+        // Not copied: keep the message. It comes back and its copy is published again;
+        // the wait keeps a broker that refuses copies from becoming a hot loop, and the
+        // consuming channel (and session) stays.
+        let delay = self.publish_backoff.failed();
+        tracing::warn!(failed = failed.len(), retry_in = ?delay, "publishing copies failed; requeueing after back-off");
+        tokio::time::sleep(delay).await;
+        let mut unsettled = 0;
+        let mut requeued = Vec::new();
+        for pending in failed {
+            match requeue(&pending).await {
+                Ok(()) => {
+                    stats.record_latencies([pending.received_at.elapsed()]);
+                    requeued.push(pending.tag());
                 }
+                Err(()) => unsettled += 1,
             }
-            unsettled += self.ack_settled(&requeued, &[], stats).await;
         }
-        if unsettled > 0 {
-            stats.record_settle_failures(unsettled as u64);
-        }
-        unsettled
+        unsettled + self.ack_settled(&requeued, &[], stats).await
     }
 
     /// Records `settled` (settled individually) and `to_ack`, then sends the multiple-ack the

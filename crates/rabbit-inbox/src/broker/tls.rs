@@ -57,9 +57,8 @@ impl AmqpTls {
             .map(str::trim)
             .filter(|e| !e.is_empty())
         {
-            let mut url = Url::parse(entry).map_err(|e| {
-                BrokerError::InvalidAddress(format!("{}: {e}", super::addresses::redacted(entry)))
-            })?;
+            let mut url = Url::parse(entry)
+                .map_err(|e| BrokerError::InvalidAddress(format!("{}: {e}", redacted(entry))))?;
             let given = [
                 (CA_FILE_PARAM, &self.ca_file),
                 (CLIENT_CERT_PARAM, &self.client_cert),
@@ -238,6 +237,22 @@ fn read_certificates(
         ));
     }
     Ok((pem, certs))
+}
+
+/// `url` with any password replaced, for error messages.
+pub(super) fn redacted(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_owned();
+    };
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => {
+            let user = rest[..at].split(':').next().unwrap_or("");
+            format!("{}{user}:***{}", &url[..scheme_end], &rest[at..])
+        }
+        None => url.to_owned(),
+    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,12 @@ use std::{panic::AssertUnwindSafe, sync::Arc};
 use futures::{FutureExt, future::BoxFuture};
 use sqlx::{Connection, PgConnection, PgPool};
 
-use super::{Lease, LeaseConfig, LeaseError, LeasedHandler, owner_name, sql::LeaseSql};
+use super::{
+    config::LeaseConfig,
+    fencing::{Lease, LeaseError, owner_name},
+    handler::LeasedHandler,
+    sql::LeaseSql,
+};
 use crate::{
     config::ConsumerConfig,
     db_error::{DbErrorClass, deterministic_code},

@@ -36,9 +36,8 @@ use tokio::{
 };
 
 use super::{
-    Headers,
+    amqp::{Headers, outgoing},
     listener::Wakeups,
-    outgoing,
     store::{Backoff as RetryBackoff, ClaimedRow, OutboxStore, Settlement},
 };
 use crate::{

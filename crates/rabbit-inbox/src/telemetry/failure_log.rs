@@ -10,7 +10,8 @@ use std::{
 
 use tracing::Level;
 
-use crate::{status::InboxStatus, telemetry::TelemetryConfig};
+use super::config::TelemetryConfig;
+use crate::status::InboxStatus;
 
 /// The window the line budget is counted over.
 const WINDOW: Duration = Duration::from_secs(60);

@@ -17,7 +17,7 @@ use metrics::{SharedString, Unit};
 use crate::{
     envelope::Envelope,
     status::{InboxStatus, Outcome, PendingCopy},
-    telemetry::TelemetryConfig,
+    telemetry::config::TelemetryConfig,
 };
 
 /// Deliveries received. Labels: `consumer`.
