@@ -178,15 +178,32 @@ impl ConsumerConfig {
 
     /// Checks every setting; the consumer calls this before connecting.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let invalid = |name, reason: &str| {
-            Err(ConfigError::InvalidSetting {
-                name,
-                reason: reason.to_owned(),
-            })
-        };
         if self.consumer_name.trim().is_empty() || self.consumer_name.len() > 255 {
             return invalid("consumer_name", "must be 1 to 255 bytes");
         }
+        self.validate_queues()?;
+        self.validate_retry()?;
+        self.validate_flow()?;
+        self.validate_envelope()?;
+        if let Some(pointer) = self.privacy.invalid_pointer() {
+            return invalid(
+                "privacy.redact",
+                &format!("{pointer:?} is not a JSON pointer (like /card/number)"),
+            );
+        }
+        if self.reconnect_initial_delay.is_zero()
+            || self.reconnect_max_delay < self.reconnect_initial_delay
+        {
+            return invalid(
+                "reconnect",
+                "initial delay must be positive and not above the max delay",
+            );
+        }
+        Ok(())
+    }
+
+    /// The work, retry and parking queues and the exchange: valid names, distinct queues.
+    fn validate_queues(&self) -> Result<(), ConfigError> {
         let t = &self.topology;
         for (name, q) in [
             ("topology.queue", &t.queue),
@@ -209,6 +226,12 @@ impl ConsumerConfig {
         {
             return invalid("topology.exchange", "must be 1 to 255 bytes");
         }
+        Ok(())
+    }
+
+    /// The retry budget and delays, and the tier queues they make.
+    fn validate_retry(&self) -> Result<(), ConfigError> {
+        let t = &self.topology;
         if self.retry.max_attempts < 1 {
             return invalid("retry.max_attempts", "must be at least 1");
         }
@@ -236,6 +259,12 @@ impl ConsumerConfig {
                 );
             }
         }
+        Ok(())
+    }
+
+    /// The quorum delivery limit, prefetch, batch size and lanes.
+    fn validate_flow(&self) -> Result<(), ConfigError> {
+        let t = &self.topology;
         if let Some(limit) = t.delivery_limit {
             if t.queue_type != QueueType::Quorum {
                 return invalid("topology.delivery_limit", "applies to quorum queues only");
@@ -261,6 +290,11 @@ impl ConsumerConfig {
         if self.lanes == 0 || self.lanes > 256 {
             return invalid("lanes", "must be 1 to 256");
         }
+        Ok(())
+    }
+
+    /// The envelope rules: body size, versions, field limits, dedup fields.
+    fn validate_envelope(&self) -> Result<(), ConfigError> {
         if self.envelope.max_payload_bytes == 0 {
             return invalid("envelope.max_payload_bytes", "must be at least 1");
         }
@@ -315,22 +349,16 @@ impl ConsumerConfig {
                 "payload fields must be non-empty JSON pointers like /order_id",
             );
         }
-        if let Some(pointer) = self.privacy.invalid_pointer() {
-            return invalid(
-                "privacy.redact",
-                &format!("{pointer:?} is not a JSON pointer (like /card/number)"),
-            );
-        }
-        if self.reconnect_initial_delay.is_zero()
-            || self.reconnect_max_delay < self.reconnect_initial_delay
-        {
-            return invalid(
-                "reconnect",
-                "initial delay must be positive and not above the max delay",
-            );
-        }
         Ok(())
     }
+}
+
+/// The error of a setting `name` that is wrong for `reason`.
+fn invalid(name: &'static str, reason: &str) -> Result<(), ConfigError> {
+    Err(ConfigError::InvalidSetting {
+        name,
+        reason: reason.to_owned(),
+    })
 }
 
 #[cfg(test)]

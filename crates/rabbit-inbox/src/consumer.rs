@@ -16,7 +16,7 @@
 //! later copy finds the first one's copy noted instead of making a second.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeSet, HashMap, HashSet},
     future::Future,
     hash::{DefaultHasher, Hash, Hasher},
     marker::PhantomData,
@@ -31,12 +31,12 @@ use crate::{
     backoff::Backoff,
     broker::{self, PendingDelivery, Session, SessionSettings, Settler, check_addresses},
     config::ConsumerConfig,
-    envelope::{self, AmqpMessage, Envelope, InvalidMessage, InvalidReason},
+    envelope::{self, AmqpMessage, Envelope, InvalidReason},
     error::{ConfigError, ConsumerError},
     handler::{BatchHandler, Handler, PerMessage},
     health::Health,
     lease::{LeaseConfig, Leased, LeasedHandler, LeasedProcessor},
-    processor::{Parsed, Process, Processor},
+    processor::{LaneConnection, Parsed, Process, Processor, Refusal},
     session_loss::{DeliverySummary, SessionLosses},
     stats::ConsumerStats,
     status::Outcome,
@@ -261,23 +261,78 @@ impl<H> Consumer<H> {
         }
     }
 
+    /// One broker session: lanes spawned, deliveries taken in and sent to their lanes until
+    /// shutdown or a loss, then the lanes drained.
     async fn session(
         &self,
         mut session: Session,
         shutdown: &mut std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
     ) -> SessionEnd {
-        let mut lanes = JoinSet::new();
-        let mut senders = Vec::with_capacity(self.config.lanes);
-        // A lane that cannot settle signals here: the channel is gone, and lapin does not always
-        // end the delivery stream after a close, so the dispatcher must not wait for it.
-        let broken = Arc::new(tokio::sync::Notify::new());
-        let keys = Arc::new(KeysInFlight::default());
+        let mut lanes = self.spawn_lanes(&session);
+        let settler = session.settler();
+        let mut in_hand = InHand::new(self.config.prefetch);
+        // `None`: shut down; else why the session was lost.
+        let lost = loop {
+            let next = tokio::select! {
+                biased;
+                () = shutdown.as_mut() => {
+                    self.health.draining();
+                    session.cancel().await;
+                    break None;
+                }
+                () = lanes.broken.notified() => {
+                    break Some("deliveries could not be settled".to_owned());
+                }
+                // A lane ends only when its channel closes, so an early end is a crash: its
+                // deliveries are unsettled and would hold back every later multiple-ack.
+                Some(ended) = lanes.tasks.join_next() => {
+                    let reason = match ended {
+                        Err(e) => format!("a lane failed: {e}"),
+                        Ok(()) => "a lane stopped".to_owned(),
+                    };
+                    tracing::error!(%reason, "lane ended while consuming; reconnecting so its deliveries return");
+                    break Some(reason);
+                }
+                next = session.next_delivery() => next,
+            };
+            let (pending, message) = match next {
+                Some(Ok(delivery)) => delivery,
+                Some(Err(e)) => break Some(e.to_string()),
+                None => break Some("consumer cancelled or connection closed".to_owned()),
+            };
+            let parsed = self
+                .receive(&pending, message, &settler, &mut in_hand)
+                .await;
+            // Injected: this delivery ends its session, as a connection error would.
+            #[cfg(feature = "fault-injection")]
+            if self.faults.should_drop_on_receipt(parsed.key()) {
+                broker::drop_connection(&session.connection()).await;
+            }
+            if !lanes
+                .send(pending, parsed, &self.config.consumer_name)
+                .await
+            {
+                break Some("a lane stopped".to_owned());
+            }
+        };
+        self.end_session(session, lanes, &settler, in_hand, lost)
+            .await
+    }
+
+    /// Spawns the session's lanes, each with a bounded channel.
+    fn spawn_lanes(&self, session: &Session) -> Lanes {
+        let mut lanes = Lanes {
+            tasks: JoinSet::new(),
+            senders: Vec::with_capacity(self.config.lanes),
+            broken: Arc::new(tokio::sync::Notify::new()),
+            keys: Arc::new(KeysInFlight::default()),
+        };
         for _ in 0..self.config.lanes {
             // Bounded: when lanes fall behind, the dispatcher waits, and prefetch stops the
             // broker from pushing more.
             let (tx, rx) = mpsc::channel::<Work>(self.config.batch_size);
-            senders.push(tx);
-            lanes.spawn(lane(
+            lanes.senders.push(tx);
+            lanes.tasks.spawn(lane(
                 rx,
                 LaneContext {
                     processor: self.processor.clone(),
@@ -293,89 +348,55 @@ impl<H> Consumer<H> {
                     faults: self.faults.clone(),
                     #[cfg(feature = "fault-injection")]
                     connection: session.connection(),
-                    broken: broken.clone(),
-                    keys: keys.clone(),
+                    broken: lanes.broken.clone(),
+                    keys: lanes.keys.clone(),
                 },
             ));
         }
+        lanes
+    }
 
-        let settler = session.settler();
-        // Deliveries received and perhaps not settled yet, to name those a lost session leaves
-        // unsettled. Pruned against the settler: prefetch bounds the unsettled ones.
-        let mut in_hand: HashMap<u64, DeliverySummary> = HashMap::new();
-        let prune_above = 2 * usize::from(self.config.prefetch).max(512);
-        let mut prune_at = prune_above;
-        // `None`: shut down; else why the session was lost.
-        let lost = loop {
-            let next = tokio::select! {
-                biased;
-                () = shutdown.as_mut() => {
-                    self.health.draining();
-                    session.cancel().await;
-                    break None;
-                }
-                () = broken.notified() => {
-                    break Some("deliveries could not be settled".to_owned());
-                }
-                // A lane ends only when its channel closes, so an early end is a crash: its
-                // deliveries are unsettled and would hold back every later multiple-ack.
-                Some(ended) = lanes.join_next() => {
-                    let reason = match ended {
-                        Err(e) => format!("a lane failed: {e}"),
-                        Ok(()) => "a lane stopped".to_owned(),
-                    };
-                    tracing::error!(%reason, "lane ended while consuming; reconnecting so its deliveries return");
-                    break Some(reason);
-                }
-                next = session.next_delivery() => next,
-            };
-            let (pending, message) = match next {
-                Some(Ok(delivery)) => delivery,
-                Some(Err(e)) => break Some(e.to_string()),
-                None => break Some("consumer cancelled or connection closed".to_owned()),
-            };
-            self.stats.record_received(1);
-            settler.register(&pending).await;
-            let message_id = message.message_id.clone();
-            let body_bytes = message.body.len();
-            let parsed = parse(message, &pending, &self.config);
-            let envelope = envelope_of(&parsed);
-            if in_hand.len() >= prune_at {
-                let unsettled = settler.unsettled().await;
-                in_hand.retain(|tag, _| unsettled.contains(tag));
-                // Amortised: many unsettled at once (lanes × batches) must not prune each time.
-                prune_at = prune_above.max(2 * in_hand.len());
-            }
-            in_hand.insert(
-                pending.tag(),
-                DeliverySummary {
-                    inbox_key: envelope.message_id.clone(),
-                    message_id,
-                    delivery_tag: pending.tag(),
-                    redelivered: pending.redelivered(),
-                    message_type: envelope.message_type.clone(),
-                    header_bytes: pending.header_len(),
-                    body_bytes,
-                },
-            );
-            // Injected: this delivery ends its session, as a connection error would.
-            #[cfg(feature = "fault-injection")]
-            if self.faults.should_drop_on_receipt(&envelope.message_id) {
-                broker::drop_connection(&session.connection()).await;
-            }
-            let span =
-                telemetry::trace::delivery_span(&self.config.consumer_name, envelope_of(&parsed));
-            let lane = keys.route(&envelope_of(&parsed).message_id, || {
-                lane_of(&parsed, senders.len())
-            });
-            if senders[lane].send((pending, parsed, span)).await.is_err() {
-                break Some("a lane stopped".to_owned());
-            }
+    /// Takes a delivery in: registered with the settler, parsed, and noted in hand.
+    async fn receive(
+        &self,
+        pending: &PendingDelivery,
+        message: AmqpMessage,
+        settler: &Settler,
+        in_hand: &mut InHand,
+    ) -> Parsed {
+        self.stats.record_received(1);
+        settler.register(pending).await;
+        let message_id = message.message_id.clone();
+        let body_bytes = message.body.len();
+        let parsed = parse(message, pending, &self.config);
+        let summary = DeliverySummary {
+            inbox_key: parsed.envelope.message_id.clone(),
+            message_id,
+            delivery_tag: pending.tag(),
+            redelivered: pending.redelivered(),
+            message_type: parsed.envelope.message_type.clone(),
+            header_bytes: pending.header_len(),
+            body_bytes,
         };
+        in_hand.insert(summary, settler).await;
+        parsed
+    }
 
-        // Drain: lanes finish what they hold and settle it.
+    /// Drains the lanes (they finish what they hold and settle it) and says how the session
+    /// ended: shut down, its connection closed; or lost, with the deliveries left unsettled.
+    async fn end_session(
+        &self,
+        session: Session,
+        lanes: Lanes,
+        settler: &Settler,
+        in_hand: InHand,
+        lost: Option<String>,
+    ) -> SessionEnd {
+        let Lanes {
+            mut tasks, senders, ..
+        } = lanes;
         drop(senders);
-        while let Some(joined) = lanes.join_next().await {
+        while let Some(joined) = tasks.join_next().await {
             if let Err(e) = joined {
                 tracing::error!(error = %e, "lane task failed");
             }
@@ -387,12 +408,72 @@ impl<H> Consumer<H> {
         };
         // What the drain could not settle goes back to the broker, which hands it out again.
         let unsettled = settler.unsettled().await;
-        let mut left: Vec<DeliverySummary> = in_hand
+        SessionEnd::Lost(reason, in_hand.left_unsettled(&unsettled))
+    }
+}
+
+/// The lanes of a session: their tasks, the channels that feed them, and what they share.
+struct Lanes {
+    tasks: JoinSet<()>,
+    senders: Vec<mpsc::Sender<Work>>,
+    /// A lane that cannot settle signals here: the channel is gone, and lapin does not always
+    /// end the delivery stream after a close, so the dispatcher must not wait for it.
+    broken: Arc<tokio::sync::Notify>,
+    keys: Arc<KeysInFlight>,
+}
+
+impl Lanes {
+    /// Sends a delivery, with its span (open until it is settled), to its lane; `false` when
+    /// that lane is gone.
+    async fn send(&self, pending: PendingDelivery, parsed: Parsed, consumer: &str) -> bool {
+        let span = telemetry::trace::delivery_span(consumer, &parsed.envelope);
+        let lane = self
+            .keys
+            .route(parsed.key(), || lane_of(&parsed, self.senders.len()));
+        self.senders[lane]
+            .send((pending, parsed, span))
+            .await
+            .is_ok()
+    }
+}
+
+/// Deliveries received and perhaps not settled yet, to name those a lost session leaves
+/// unsettled. Pruned against the settler: prefetch bounds the unsettled ones.
+struct InHand {
+    deliveries: HashMap<u64, DeliverySummary>,
+    prune_above: usize,
+    prune_at: usize,
+}
+
+impl InHand {
+    fn new(prefetch: u16) -> Self {
+        let prune_above = 2 * usize::from(prefetch).max(512);
+        Self {
+            deliveries: HashMap::new(),
+            prune_above,
+            prune_at: prune_above,
+        }
+    }
+
+    async fn insert(&mut self, delivery: DeliverySummary, settler: &Settler) {
+        if self.deliveries.len() >= self.prune_at {
+            let unsettled = settler.unsettled().await;
+            self.deliveries.retain(|tag, _| unsettled.contains(tag));
+            // Amortised: many unsettled at once (lanes × batches) must not prune each time.
+            self.prune_at = self.prune_above.max(2 * self.deliveries.len());
+        }
+        self.deliveries.insert(delivery.delivery_tag, delivery);
+    }
+
+    /// The deliveries among `unsettled`, by delivery tag.
+    fn left_unsettled(self, unsettled: &BTreeSet<u64>) -> Vec<DeliverySummary> {
+        let mut left: Vec<DeliverySummary> = self
+            .deliveries
             .into_values()
             .filter(|d| unsettled.contains(&d.delivery_tag))
             .collect();
         left.sort_by_key(|d| d.delivery_tag);
-        SessionEnd::Lost(reason, left)
+        left
     }
 }
 
@@ -409,18 +490,17 @@ fn session_settings(config: &ConsumerConfig) -> SessionSettings<'_> {
 }
 
 fn parse(message: AmqpMessage, pending: &PendingDelivery, config: &ConsumerConfig) -> Parsed {
-    let parsed = envelope::parse(message, &config.envelope);
-    let parsed = match pending.too_large_to_copy() {
-        None => parsed,
-        Some(detail) => refuse_uncopyable(parsed, detail),
-    };
+    let mut parsed = Parsed::from(envelope::parse(message, &config.envelope));
+    if let Some(detail) = pending.too_large_to_copy() {
+        refuse_uncopyable(&mut parsed, detail);
+    }
     // DEBUG: the WARN comes with its outcome ("message parked", within the consumer's log
     // budget), so a producer sending garbage cannot flood the log.
-    if let Err(invalid) = &parsed {
+    if let Some(refusal) = &parsed.refusal {
         tracing::debug!(
-            code = invalid.reason.code(),
-            detail = %invalid.detail,
-            inbox_key = %invalid.envelope.message_id,
+            code = refusal.reason.code(),
+            detail = %refusal.detail,
+            inbox_key = %parsed.envelope.message_id,
             "invalid message; it will be recorded and parked"
         );
     }
@@ -431,38 +511,23 @@ fn parse(message: AmqpMessage, pending: &PendingDelivery, config: &ConsumerConfi
 /// refused as `headers_too_large`, under the key it parsed to: a retry copy could not carry
 /// its headers, and its parked copy goes without the largest of them. One already invalid for
 /// another reason keeps that reason; its detail says this too.
-fn refuse_uncopyable(parsed: Parsed, detail: String) -> Parsed {
-    match parsed {
-        Ok(mut envelope) => {
-            envelope.payload = serde_json::Value::Null;
-            Err(Box::new(InvalidMessage {
+fn refuse_uncopyable(parsed: &mut Parsed, detail: String) {
+    match &mut parsed.refusal {
+        None => {
+            parsed.envelope.payload = serde_json::Value::Null;
+            parsed.refusal = Some(Refusal {
                 reason: InvalidReason::HeadersTooLarge,
                 detail,
-                envelope,
-            }))
+            });
         }
-        Err(mut invalid) => {
-            invalid.detail = format!("{}; {detail}", invalid.detail);
-            Err(invalid)
-        }
-    }
-}
-
-fn envelope_of(item: &Parsed) -> &Envelope {
-    match item {
-        Ok(e) => e,
-        Err(invalid) => &invalid.envelope,
+        Some(refusal) => refusal.detail = format!("{}; {detail}", refusal.detail),
     }
 }
 
 /// Lane of a delivery: one aggregate always maps to the same lane, keeping its order.
 fn lane_of(parsed: &Parsed, lanes: usize) -> usize {
-    let key = match parsed {
-        Ok(e) => e.lane_key(),
-        Err(invalid) => invalid.envelope.lane_key(),
-    };
     let mut h = DefaultHasher::new();
-    key.hash(&mut h);
+    parsed.envelope.lane_key().hash(&mut h);
     (h.finish() % lanes as u64) as usize
 }
 
@@ -520,7 +585,7 @@ impl RequeuedKeys {
             return (batch, Vec::new());
         }
         batch.into_iter().partition(|(_, parsed, _)| {
-            let key = &envelope_of(parsed).message_id;
+            let key = parsed.key();
             match self.0.get_mut(key) {
                 Some(n) => {
                     *n -= 1;
@@ -538,10 +603,10 @@ impl RequeuedKeys {
     fn note(&mut self, parsed: &[Parsed], outcomes: &[Outcome], keys: &KeysInFlight) {
         for (item, outcome) in parsed.iter().zip(outcomes) {
             if matches!(outcome, Outcome::Unrecorded { .. }) {
-                let key = &envelope_of(item).message_id;
+                let key = item.key();
                 let behind = keys.count(key).saturating_sub(1) as usize;
                 if behind > 0 {
-                    *self.0.entry(key.clone()).or_default() += behind;
+                    *self.0.entry(key.to_owned()).or_default() += behind;
                 }
             }
         }
@@ -554,7 +619,7 @@ fn first_copies(batch: Vec<Work>) -> (Vec<Work>, Vec<Work>) {
     let mut seen = HashSet::with_capacity(batch.len());
     batch
         .into_iter()
-        .partition(|(_, parsed, _)| seen.insert(envelope_of(parsed).message_id.clone()))
+        .partition(|(_, parsed, _)| seen.insert(parsed.key().to_owned()))
 }
 
 struct LaneContext {
@@ -572,6 +637,7 @@ struct LaneContext {
     keys: Arc<KeysInFlight>,
 }
 
+/// A lane: takes batches off its channel, processes each in one go, settles it.
 async fn lane(mut rx: mpsc::Receiver<Work>, ctx: LaneContext) {
     let unrecorded = Backoff::new(ctx.backoff.0, ctx.backoff.1);
     let mut db = ctx.processor.lane_connection();
@@ -579,55 +645,19 @@ async fn lane(mut rx: mpsc::Receiver<Work>, ctx: LaneContext) {
     let mut held: Vec<Work> = Vec::new();
     let mut requeued = RequeuedKeys::default();
     loop {
-        let mut batch = if held.is_empty() {
-            let Some(first) = rx.recv().await else { break };
-            vec![first]
-        } else {
-            std::mem::take(&mut held)
+        let Some(batch) = next_batch(&mut rx, std::mem::take(&mut held), &ctx).await else {
+            break;
         };
-        if batch.len() == 1 {
-            let deadline = Instant::now() + ctx.max_batch_delay;
-            while batch.len() < ctx.batch_size {
-                match tokio::time::timeout_at(deadline, rx.recv()).await {
-                    Ok(Some(work)) => batch.push(work),
-                    Ok(None) | Err(_) => break,
-                }
-            }
-        } else {
-            // Held copies are old already: take what is there, without waiting.
-            while batch.len() < ctx.batch_size {
-                match rx.try_recv() {
-                    Ok(work) => batch.push(work),
-                    Err(_) => break,
-                }
-            }
-        }
         let (batch, later) = first_copies(batch);
         held = later;
         let (batch, following) = requeued.take_following(batch);
-        let mut pendings = Vec::with_capacity(batch.len() + following.len());
-        let mut parsed = Vec::with_capacity(batch.len() + following.len());
-        let mut spans = Vec::with_capacity(batch.len() + following.len());
-        for (pending, item, span) in batch {
-            pendings.push(pending);
-            parsed.push(item);
-            spans.push(span);
-        }
-        let mut outcomes = ctx.processor.process_batch(&parsed, &mut db).await;
-        requeued.note(&parsed, &outcomes, &ctx.keys);
-        for (pending, item, span) in following {
-            pendings.push(pending);
-            parsed.push(item);
-            spans.push(span);
-            outcomes.push(Outcome::Unrecorded {
-                error: "an earlier delivery of this message was requeued; this copy follows it"
-                    .into(),
-            });
-        }
+        let done = process(batch, following, &ctx, &mut db, &mut requeued).await;
 
         // Injected crash between commit and ack: the connection goes, nothing is settled.
         #[cfg(feature = "fault-injection")]
-        let crashed = ctx.faults.should_drop_after_commit(&parsed, &outcomes);
+        let crashed = ctx
+            .faults
+            .should_drop_after_commit(&done.parsed, &done.outcomes);
         #[cfg(feature = "fault-injection")]
         if crashed {
             broker::drop_connection(&ctx.connection).await;
@@ -635,62 +665,155 @@ async fn lane(mut rx: mpsc::Receiver<Work>, ctx: LaneContext) {
         #[cfg(not(feature = "fault-injection"))]
         let crashed = false;
 
-        // Nothing durable was written for these: hold them for a back-off before they go back
-        // to the queue, so an outage does not become a hot redelivery loop.
-        if let Some(error) = outcomes.iter().find_map(|o| match o {
-            Outcome::Unrecorded { error } => Some(error),
-            _ => None,
-        }) {
-            let delay = unrecorded.failed();
-            tracing::warn!(retry_in = ?delay, %error, "outcomes could not be recorded; requeueing after back-off");
-            tokio::time::sleep(delay).await;
-        } else {
-            unrecorded.succeeded();
-        }
+        back_off_if_unrecorded(&done.outcomes, &unrecorded).await;
+        settle(done, crashed, &ctx, &mut db).await;
+    }
+}
 
-        // After the back-off above: commit-to-ack measures the broker's side only.
-        let committed = Instant::now();
-        let envelopes: Vec<&Envelope> = parsed.iter().map(envelope_of).collect();
-        ctx.stats.record_outcomes(&outcomes, &envelopes);
-        for (span, outcome) in spans.iter().zip(&outcomes) {
-            telemetry::trace::record_outcome(span, outcome);
+/// The next batch: the copies `held` back, topped up with what the channel has now; else up
+/// to `batch_size` deliveries arriving within `max_batch_delay` of the first. `None` once the
+/// channel is closed and empty.
+async fn next_batch(
+    rx: &mut mpsc::Receiver<Work>,
+    held: Vec<Work>,
+    ctx: &LaneContext,
+) -> Option<Vec<Work>> {
+    let mut batch = if held.is_empty() {
+        vec![rx.recv().await?]
+    } else {
+        held
+    };
+    if batch.len() == 1 {
+        let deadline = Instant::now() + ctx.max_batch_delay;
+        while batch.len() < ctx.batch_size {
+            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(work)) => batch.push(work),
+                Ok(None) | Err(_) => break,
+            }
         }
-        let unsettled = if crashed {
-            // Nothing of this batch is settled, as in a crash.
-            ctx.stats.record_settle_failures(outcomes.len() as u64);
-            outcomes.len()
-        } else {
-            let batch = pendings
-                .into_iter()
-                .zip(&outcomes)
-                .zip(envelopes)
-                .map(|((pending, outcome), envelope)| (pending, outcome, envelope))
-                .collect();
-            let (store, consumer) = ctx.processor.store();
-            let unsettled = ctx
-                .settler
-                .settle_batch(batch, &ctx.stats, async |copies| {
-                    db.note_confirmed_copies(store, consumer, &copies).await;
-                })
-                .await;
-            metrics::histogram!(telemetry::metrics::COMMIT_TO_ACK, "consumer" => ctx.stats.consumer_label().clone())
-                .record(committed.elapsed().as_secs_f64());
-            unsettled
-        };
-        // Settled: the copies are noted, so later deliveries of these keys may read the rows.
-        db.release_copy_locks().await;
-        ctx.keys
-            .settled(parsed.iter().map(|p| envelope_of(p).message_id.as_str()));
-        ctx.processor.flush_failure_log();
-        // The deliveries' spans end here, at their settlement.
-        drop(spans);
-        if unsettled > 0 {
-            tracing::warn!(
-                unsettled,
-                batch = outcomes.len(),
-                "deliveries not settled (channel closed?); the broker will redeliver them and the inbox will recognise them"
-            );
-            ctx.broken.notify_one();
+    } else {
+        // Held copies are old already: take what is there, without waiting.
+        while batch.len() < ctx.batch_size {
+            match rx.try_recv() {
+                Ok(work) => batch.push(work),
+                Err(_) => break,
+            }
         }
+    }
+    Some(batch)
+}
+
+/// A lane's batch once processed: its deliveries, their spans and outcomes, in order.
+struct Processed {
+    pendings: Vec<PendingDelivery>,
+    parsed: Vec<Parsed>,
+    spans: Vec<tracing::Span>,
+    outcomes: Vec<Outcome>,
+}
+
+impl Processed {
+    fn push(&mut self, (pending, parsed, span): Work) {
+        self.pendings.push(pending);
+        self.parsed.push(parsed);
+        self.spans.push(span);
+    }
+}
+
+/// Processes `batch`; the copies `following` a requeued one go back unrecorded behind it.
+async fn process(
+    batch: Vec<Work>,
+    following: Vec<Work>,
+    ctx: &LaneContext,
+    db: &mut LaneConnection,
+    requeued: &mut RequeuedKeys,
+) -> Processed {
+    let n = batch.len() + following.len();
+    let mut done = Processed {
+        pendings: Vec::with_capacity(n),
+        parsed: Vec::with_capacity(n),
+        spans: Vec::with_capacity(n),
+        outcomes: Vec::new(),
+    };
+    for work in batch {
+        done.push(work);
+    }
+    done.outcomes = ctx.processor.process_batch(&done.parsed, db).await;
+    requeued.note(&done.parsed, &done.outcomes, &ctx.keys);
+    for work in following {
+        done.push(work);
+        done.outcomes.push(Outcome::Unrecorded {
+            error: "an earlier delivery of this message was requeued; this copy follows it".into(),
+        });
+    }
+    done
+}
+
+/// Nothing durable was written for an unrecorded outcome: its batch is held for a back-off
+/// before it goes back to the queue, so an outage does not become a hot redelivery loop.
+async fn back_off_if_unrecorded(outcomes: &[Outcome], unrecorded: &Backoff) {
+    if let Some(error) = outcomes.iter().find_map(|o| match o {
+        Outcome::Unrecorded { error } => Some(error),
+        _ => None,
+    }) {
+        let delay = unrecorded.failed();
+        tracing::warn!(retry_in = ?delay, %error, "outcomes could not be recorded; requeueing after back-off");
+        tokio::time::sleep(delay).await;
+    } else {
+        unrecorded.succeeded();
+    }
+}
+
+/// Settles a processed batch with the broker (nothing of it after an injected crash), with
+/// its confirmed copies noted on their rows; then lets go of its copy locks, its keys and its
+/// spans.
+async fn settle(done: Processed, crashed: bool, ctx: &LaneContext, db: &mut LaneConnection) {
+    let Processed {
+        pendings,
+        parsed,
+        spans,
+        outcomes,
+    } = done;
+    // After the back-off: commit-to-ack measures the broker's side only.
+    let committed = Instant::now();
+    let envelopes: Vec<&Envelope> = parsed.iter().map(|p| &p.envelope).collect();
+    ctx.stats.record_outcomes(&outcomes, &envelopes);
+    for (span, outcome) in spans.iter().zip(&outcomes) {
+        telemetry::trace::record_outcome(span, outcome);
+    }
+    let unsettled = if crashed {
+        // Nothing of this batch is settled, as in a crash.
+        ctx.stats.record_settle_failures(outcomes.len() as u64);
+        outcomes.len()
+    } else {
+        let batch = pendings
+            .into_iter()
+            .zip(&outcomes)
+            .zip(envelopes)
+            .map(|((pending, outcome), envelope)| (pending, outcome, envelope))
+            .collect();
+        let (store, consumer) = ctx.processor.store();
+        let unsettled = ctx
+            .settler
+            .settle_batch(batch, &ctx.stats, async |copies| {
+                db.note_confirmed_copies(store, consumer, &copies).await;
+            })
+            .await;
+        metrics::histogram!(telemetry::metrics::COMMIT_TO_ACK, "consumer" => ctx.stats.consumer_label().clone())
+            .record(committed.elapsed().as_secs_f64());
+        unsettled
+    };
+    // Settled: the copies are noted, so later deliveries of these keys may read the rows.
+    db.release_copy_locks().await;
+    ctx.keys.settled(parsed.iter().map(Parsed::key));
+    ctx.processor.flush_failure_log();
+    // The deliveries' spans end here, at their settlement.
+    drop(spans);
+    if unsettled > 0 {
+        tracing::warn!(
+            unsettled,
+            batch = outcomes.len(),
+            "deliveries not settled (channel closed?); the broker will redeliver them and the inbox will recognise them"
+        );
+        ctx.broken.notify_one();
     }
 }

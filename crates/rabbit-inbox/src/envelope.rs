@@ -397,157 +397,44 @@ pub fn parse(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<In
 
 /// [`parse`], before an invalid message's envelope is cut down to the limits.
 fn classify(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<InvalidMessage>> {
-    // A body over the limit is not even parsed.
-    let payload: Option<Value> = (msg.body.len() <= rules.max_payload_bytes)
-        .then(|| serde_json::from_slice(&msg.body).ok())
-        .flatten();
-    let payload_sha256 = match (&payload, rules.body_hash) {
-        (Some(payload), BodyHash::CanonicalJson) => canonical_sha256(payload),
-        _ => Sha256::digest(&msg.body).into(),
-    };
-    let mut envelope = Envelope {
-        message_id: String::new(),
-        message_type: message_type(&msg),
-        message_version: 1,
-        aggregate_type: header_text(&msg.headers, AGGREGATE_TYPE_HEADER),
-        aggregate_id: header_text(&msg.headers, AGGREGATE_ID_HEADER),
-        correlation_id: msg.correlation_id.clone(),
-        causation_id: header_text(&msg.headers, CAUSATION_HEADER),
-        traceparent: header_text(&msg.headers, TRACEPARENT_HEADER),
-        tenant_id: header_text(&msg.headers, TENANT_HEADER),
-        death_count: death_count(&msg.headers),
-        headers: msg.headers,
-        payload: Value::Null,
-        body: msg.body,
-        payload_sha256,
-        redelivered: msg.redelivered,
-    };
-
-    let invalid = |mut envelope: Envelope, reason: InvalidReason, detail: String| {
-        // Identity for recording: hash of the original id (if any) and the body, so one bad
-        // message maps to one inbox row however often it is redelivered.
-        let mut hasher = Sha256::new();
-        if let Some(id) = &msg.message_id {
-            hasher.update(id.as_bytes());
-            let shown: String = id.chars().take(512).collect();
-            envelope
-                .headers
-                .insert(ORIGINAL_MESSAGE_ID.into(), Value::String(shown));
-        }
-        hasher.update([0u8]);
-        hasher.update(&envelope.body);
-        envelope.message_id = format!("invalid:{}", hex::encode(hasher.finalize()));
-        Box::new(InvalidMessage {
-            reason,
-            detail,
-            envelope,
-        })
-    };
-
-    let key = rules.dedup.extract(
-        msg.message_id.as_deref(),
-        &envelope.headers,
-        msg.content_type.as_deref(),
-        payload.as_ref(),
-    );
+    let Read {
+        mut envelope,
+        payload,
+        key,
+        original_id,
+        headers_truncated,
+    } = read(msg, rules);
     // Refused before anything else is read, but recorded under the message's own key when it
     // has a usable one (so `show <id>` finds it and a redelivery maps to the same row); the
     // synthetic key only when it has none. A body over the limit is not parsed, so a key
     // taken from the body is missing here. Headers cut at the depth bound keep their upper
     // levels intact (a key header is a top-level string), but a key that is the cut marker
     // itself is no key.
-    let refused = |mut envelope: Envelope, reason: InvalidReason, detail: String| match &key {
-        Ok(key) if !key.contains(HEADER_TOO_DEEP) => {
-            envelope.message_id = key.clone();
-            keep_key(envelope, reason, detail)
-        }
-        _ => invalid(envelope, reason, detail),
-    };
-    if envelope.body.len() > rules.max_payload_bytes {
-        let detail = format!(
-            "body is {} bytes, the limit is {}",
-            envelope.body.len(),
-            rules.max_payload_bytes
-        );
-        return Err(refused(envelope, InvalidReason::PayloadTooLarge, detail));
+    if let Some((reason, detail)) = unreadable(&envelope, rules, headers_truncated) {
+        return Err(match key {
+            Ok(key) if !key.contains(HEADER_TOO_DEEP) => {
+                envelope.message_id = key;
+                keep_key(envelope, reason, detail)
+            }
+            _ => synthetic_key(envelope, original_id.as_deref(), reason, detail),
+        });
     }
-
-    // Incomplete headers: nothing else read from them (version, aggregate) can be trusted.
-    if let Some(detail) = &msg.headers_truncated {
-        return Err(refused(
-            envelope,
-            InvalidReason::HeadersTooDeep,
-            detail.clone(),
-        ));
-    }
-
     match key {
         Ok(key) => envelope.message_id = key,
-        Err(KeyError::Missing(d)) => {
-            return Err(invalid(envelope, InvalidReason::MissingMessageId, d));
-        }
-        Err(KeyError::TooLong(len)) => {
-            let detail = format!(
-                "the id is {len} bytes, the limit is {}",
-                crate::dedup::MAX_KEY_LEN
-            );
-            return Err(invalid(envelope, InvalidReason::MessageIdTooLong, detail));
-        }
-        Err(KeyError::Malformed(d)) => {
-            return Err(invalid(envelope, InvalidReason::MalformedMessageId, d));
-        }
-    }
-
-    // The key is usable: the refusal keeps it, so redeliveries map to one row.
-    if let Some((field, len, limit)) = oversized_field(&envelope, &rules.field_limits) {
-        let detail = format!("{field} is {len} bytes, the limit is {limit}");
-        return Err(keep_key(envelope, InvalidReason::FieldTooLong, detail));
-    }
-    let headers_len = json_len(&envelope.headers);
-    if headers_len > rules.field_limits.headers {
-        let detail = format!(
-            "the headers are {headers_len} bytes as JSON, the limit is {}",
-            rules.field_limits.headers
-        );
-        return Err(keep_key(envelope, InvalidReason::HeadersTooLarge, detail));
-    }
-
-    match version(&envelope.headers) {
-        Ok(v) if rules.supported_versions.contains(&v) => envelope.message_version = v,
-        Ok(v) => {
-            envelope.message_version = v;
-            let detail = format!(
-                "version {v} is not supported (supported: {}..={})",
-                rules.supported_versions.start(),
-                rules.supported_versions.end()
-            );
-            return Err(keep_key(
+        Err(e) => {
+            let (reason, detail) = key_refusal(e);
+            return Err(synthetic_key(
                 envelope,
-                InvalidReason::UnsupportedVersion,
+                original_id.as_deref(),
+                reason,
                 detail,
             ));
         }
-        Err(detail) => {
-            return Err(keep_key(envelope, InvalidReason::MalformedVersion, detail));
-        }
     }
-
-    if let Some(accepted) = &rules.accepted_types
-        && !accepted.contains(&envelope.message_type, envelope.message_version)
-    {
-        // The type is within its field limit (checked above) and stored in its own column
-        // anyway, so the detail may name it.
-        let detail = format!(
-            "message type {:?} version {} is not one this consumer accepts (accepted: {accepted})",
-            envelope.message_type, envelope.message_version
-        );
-        return Err(keep_key(
-            envelope,
-            InvalidReason::UnknownMessageType,
-            detail,
-        ));
+    // The key is usable: the refusal keeps it, so redeliveries map to one row.
+    if let Err((reason, detail)) = check_keyed(&mut envelope, rules) {
+        return Err(keep_key(envelope, reason, detail));
     }
-
     match payload {
         Some(payload) => {
             envelope.payload = payload;
@@ -567,6 +454,168 @@ fn classify(msg: AmqpMessage, rules: &EnvelopeRules) -> Result<Envelope, Box<Inv
     }
 }
 
+/// A delivery as [`read`] takes it apart, before any check.
+struct Read {
+    /// Every field read, without key or payload, version 1.
+    envelope: Envelope,
+    /// The body as JSON; `None` when it is not JSON or over the size limit.
+    payload: Option<Value>,
+    /// The dedup key as the rules derive it.
+    key: Result<String, KeyError>,
+    /// The AMQP `message-id` property.
+    original_id: Option<String>,
+    /// Why the headers are incomplete.
+    headers_truncated: Option<String>,
+}
+
+/// Reads what the envelope holds from `msg`: fields, headers, body and its hash, and the key.
+fn read(msg: AmqpMessage, rules: &EnvelopeRules) -> Read {
+    // A body over the limit is not even parsed.
+    let payload: Option<Value> = (msg.body.len() <= rules.max_payload_bytes)
+        .then(|| serde_json::from_slice(&msg.body).ok())
+        .flatten();
+    let payload_sha256 = match (&payload, rules.body_hash) {
+        (Some(payload), BodyHash::CanonicalJson) => canonical_sha256(payload),
+        _ => Sha256::digest(&msg.body).into(),
+    };
+    let key = rules.dedup.extract(
+        msg.message_id.as_deref(),
+        &msg.headers,
+        msg.content_type.as_deref(),
+        payload.as_ref(),
+    );
+    let envelope = Envelope {
+        message_id: String::new(),
+        message_type: message_type(&msg),
+        message_version: 1,
+        aggregate_type: header_text(&msg.headers, AGGREGATE_TYPE_HEADER),
+        aggregate_id: header_text(&msg.headers, AGGREGATE_ID_HEADER),
+        correlation_id: msg.correlation_id.clone(),
+        causation_id: header_text(&msg.headers, CAUSATION_HEADER),
+        traceparent: header_text(&msg.headers, TRACEPARENT_HEADER),
+        tenant_id: header_text(&msg.headers, TENANT_HEADER),
+        death_count: death_count(&msg.headers),
+        headers: msg.headers,
+        payload: Value::Null,
+        body: msg.body,
+        payload_sha256,
+        redelivered: msg.redelivered,
+    };
+    Read {
+        envelope,
+        payload,
+        key,
+        original_id: msg.message_id,
+        headers_truncated: msg.headers_truncated,
+    }
+}
+
+/// Why a delivery is refused before its key is read: a body over the size limit, or headers
+/// cut at the depth bound (nothing else read from them, version or aggregate, can be
+/// trusted).
+fn unreadable(
+    envelope: &Envelope,
+    rules: &EnvelopeRules,
+    headers_truncated: Option<String>,
+) -> Option<(InvalidReason, String)> {
+    if envelope.body.len() > rules.max_payload_bytes {
+        let detail = format!(
+            "body is {} bytes, the limit is {}",
+            envelope.body.len(),
+            rules.max_payload_bytes
+        );
+        return Some((InvalidReason::PayloadTooLarge, detail));
+    }
+    headers_truncated.map(|detail| (InvalidReason::HeadersTooDeep, detail))
+}
+
+/// The refusal of a delivery without a usable key.
+fn key_refusal(error: KeyError) -> (InvalidReason, String) {
+    match error {
+        KeyError::Missing(d) => (InvalidReason::MissingMessageId, d),
+        KeyError::TooLong(len) => {
+            let detail = format!(
+                "the id is {len} bytes, the limit is {}",
+                crate::dedup::MAX_KEY_LEN
+            );
+            (InvalidReason::MessageIdTooLong, detail)
+        }
+        KeyError::Malformed(d) => (InvalidReason::MalformedMessageId, d),
+    }
+}
+
+/// The checks of a keyed delivery, in order: stored fields and headers within their limits,
+/// a supported version (set on the envelope, even when refused), an accepted type.
+fn check_keyed(
+    envelope: &mut Envelope,
+    rules: &EnvelopeRules,
+) -> Result<(), (InvalidReason, String)> {
+    if let Some((field, len, limit)) = oversized_field(envelope, &rules.field_limits) {
+        let detail = format!("{field} is {len} bytes, the limit is {limit}");
+        return Err((InvalidReason::FieldTooLong, detail));
+    }
+    let headers_len = json_len(&envelope.headers);
+    if headers_len > rules.field_limits.headers {
+        let detail = format!(
+            "the headers are {headers_len} bytes as JSON, the limit is {}",
+            rules.field_limits.headers
+        );
+        return Err((InvalidReason::HeadersTooLarge, detail));
+    }
+    match version(&envelope.headers) {
+        Ok(v) if rules.supported_versions.contains(&v) => envelope.message_version = v,
+        Ok(v) => {
+            envelope.message_version = v;
+            let detail = format!(
+                "version {v} is not supported (supported: {}..={})",
+                rules.supported_versions.start(),
+                rules.supported_versions.end()
+            );
+            return Err((InvalidReason::UnsupportedVersion, detail));
+        }
+        Err(detail) => return Err((InvalidReason::MalformedVersion, detail)),
+    }
+    if let Some(accepted) = &rules.accepted_types
+        && !accepted.contains(&envelope.message_type, envelope.message_version)
+    {
+        // The type is within its field limit (checked above) and stored in its own column
+        // anyway, so the detail may name it.
+        let detail = format!(
+            "message type {:?} version {} is not one this consumer accepts (accepted: {accepted})",
+            envelope.message_type, envelope.message_version
+        );
+        return Err((InvalidReason::UnknownMessageType, detail));
+    }
+    Ok(())
+}
+
+/// A delivery without a usable key, recorded under a synthetic one: the hash of its original
+/// id (if any, kept in a header) and its body, so one bad message maps to one inbox row
+/// however often it is redelivered.
+fn synthetic_key(
+    mut envelope: Envelope,
+    original_id: Option<&str>,
+    reason: InvalidReason,
+    detail: String,
+) -> Box<InvalidMessage> {
+    let mut hasher = Sha256::new();
+    if let Some(id) = original_id {
+        hasher.update(id.as_bytes());
+        let shown: String = id.chars().take(512).collect();
+        envelope
+            .headers
+            .insert(ORIGINAL_MESSAGE_ID.into(), Value::String(shown));
+    }
+    hasher.update([0u8]);
+    hasher.update(&envelope.body);
+    envelope.message_id = format!("invalid:{}", hex::encode(hasher.finalize()));
+    Box::new(InvalidMessage {
+        reason,
+        detail,
+        envelope,
+    })
+}
+
 /// An invalid message whose key is usable keeps it, so a redelivery maps to the same row.
 fn keep_key(envelope: Envelope, reason: InvalidReason, detail: String) -> Box<InvalidMessage> {
     Box::new(InvalidMessage {
@@ -583,7 +632,7 @@ const CORRELATION_FIELD: &str = "correlation-id";
 /// Header an invalid message's stored headers are replaced by when they are over the limit;
 /// holds their size. The parked copy keeps the originals.
 const HEADERS_OMITTED: &str = "x-inbox-headers-omitted";
-/// Header that [`classify`] adds to keep a refused id; kept when the headers are omitted.
+/// Header that [`synthetic_key`] adds to keep a refused id; kept when the headers are omitted.
 const ORIGINAL_MESSAGE_ID: &str = "x-inbox-original-message-id";
 
 /// The first stored field over its limit: its name, stored length and limit.

@@ -62,7 +62,7 @@ impl FaultPlan {
         let mut planned = self.lock();
         let mut fire = false;
         for (item, outcome) in parsed.iter().zip(outcomes) {
-            if let (Ok(e), Outcome::Processed) = (item, outcome) {
+            if let (Some(e), Outcome::Processed) = (item.valid(), outcome) {
                 fire |= planned.remove(&e.message_id);
             }
         }

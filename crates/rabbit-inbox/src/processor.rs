@@ -24,7 +24,7 @@ use sqlx::{Connection, PgConnection, PgPool, Postgres, pool::PoolConnection};
 use crate::{
     config::ConsumerConfig,
     db_error::{DbErrorClass, deterministic_code, sqlstate},
-    envelope::{Envelope, InvalidMessage},
+    envelope::{Envelope, InvalidMessage, InvalidReason},
     error::StoreError,
     handler::{BatchError, BatchHandler, ErrorKind, HandlerError, InboxMessage},
     outbox::Outbox,
@@ -41,8 +41,56 @@ use crate::{
     },
 };
 
-/// A delivery after parsing: an envelope, or the reason it cannot be processed.
-pub(crate) type Parsed = Result<Envelope, Box<InvalidMessage>>;
+/// A delivery after parsing: its envelope, valid or not (an invalid one's under the key it is
+/// recorded by), and why it cannot be processed when it cannot.
+#[derive(Clone, Debug)]
+pub(crate) struct Parsed {
+    pub(crate) envelope: Envelope,
+    /// `None` for a delivery to process.
+    pub(crate) refusal: Option<Refusal>,
+}
+
+/// Why a delivery is refused before any handler sees it: an [`InvalidMessage`] without its
+/// envelope.
+#[derive(Clone, Debug)]
+pub(crate) struct Refusal {
+    pub(crate) reason: InvalidReason,
+    pub(crate) detail: String,
+}
+
+impl Parsed {
+    /// The envelope of a delivery to process; `None` for a refused one.
+    pub(crate) fn valid(&self) -> Option<&Envelope> {
+        self.refusal.is_none().then_some(&self.envelope)
+    }
+
+    /// The inbox key the delivery is recorded under.
+    pub(crate) fn key(&self) -> &str {
+        &self.envelope.message_id
+    }
+}
+
+impl From<Result<Envelope, Box<InvalidMessage>>> for Parsed {
+    fn from(parsed: Result<Envelope, Box<InvalidMessage>>) -> Self {
+        match parsed {
+            Ok(envelope) => Parsed {
+                envelope,
+                refusal: None,
+            },
+            Err(invalid) => {
+                let InvalidMessage {
+                    reason,
+                    detail,
+                    envelope,
+                } = *invalid;
+                Parsed {
+                    envelope,
+                    refusal: Some(Refusal { reason, detail }),
+                }
+            }
+        }
+    }
+}
 
 /// Requeues "database unavailable" after which a message is logged by its key: one or two are
 /// an outage being ridden out, more point at the message.
@@ -306,6 +354,46 @@ impl TxError {
             },
         }
     }
+
+    /// A failed handler call over `run`: the messages it blamed, by their batch positions, or
+    /// the whole transaction's problem.
+    fn from_batch(run: &[(usize, i32)], error: BatchError) -> Self {
+        let bad_index = |index: usize| {
+            TxError::Isolate(HandlerError::retryable(
+                "bad_batch_index",
+                format!("batch handler blamed message {index} of {}", run.len()),
+            ))
+        };
+        match error {
+            BatchError::Message { index, error } => match run.get(index) {
+                Some(&(i, _)) => TxError::from_handler(Some(i), error),
+                None => bad_index(index),
+            },
+            BatchError::Messages(errors) => {
+                let mut blamed = Vec::with_capacity(errors.len());
+                for (index, error) in errors {
+                    let Some(&(i, _)) = run.get(index) else {
+                        return bad_index(index);
+                    };
+                    match TxError::from_handler(Some(i), error) {
+                        TxError::Handler(i, e) => blamed.push((i, e)),
+                        // Not about the message: the whole transaction's problem.
+                        other => return other,
+                    }
+                }
+                if blamed.is_empty() {
+                    return TxError::Isolate(HandlerError::retryable(
+                        "batch_failed",
+                        "batch handler reported failed messages without naming one",
+                    ));
+                }
+                blamed.sort_by_key(|(i, _)| *i);
+                blamed.dedup_by_key(|(i, _)| *i);
+                TxError::Handlers(blamed)
+            }
+            BatchError::Batch(error) => TxError::from_handler(None, error),
+        }
+    }
 }
 
 fn aborted() -> HandlerError {
@@ -358,8 +446,64 @@ struct Committed {
     rest: Vec<usize>,
 }
 
+/// What the claims of a batch transaction found, message by message (batch positions).
+struct Triage<'a> {
+    /// Outcomes decided without running the handler.
+    decided: Vec<(usize, Outcome)>,
+    /// Messages to run, with their attempt.
+    run: Vec<(usize, i32)>,
+    /// Existing rows to take back into PROCESSING and run.
+    reclaim: Vec<usize>,
+    /// First receipt of each reclaimed key.
+    first_received: Vec<(usize, chrono::DateTime<chrono::Utc>)>,
+    /// How many reclaimed rows were stale PROCESSING rows.
+    stale_taken_over: u64,
+    /// Deliveries of existing rows, counted on them.
+    redeliveries: Vec<Redelivery<'a>>,
+    /// Rows whose copy may be in flight elsewhere: parked or retryable, no copy noted.
+    contested: Vec<(usize, Box<InboxRecord>)>,
+}
+
+impl Triage<'_> {
+    fn with_capacity(n: usize) -> Self {
+        Self {
+            decided: Vec::with_capacity(n),
+            run: Vec::new(),
+            reclaim: Vec::new(),
+            first_received: Vec::new(),
+            stale_taken_over: 0,
+            redeliveries: Vec::new(),
+            contested: Vec::new(),
+        }
+    }
+}
+
 /// Transaction attempts for deadlocks and the like before giving up on a batch.
 const MAX_TRANSIENT_RETRIES: u32 = 3;
+
+/// A round's work in progress: the transactions still to run, and what to record or report
+/// once they are done.
+struct RoundPlan {
+    /// Messages to run together, and how; the front runs next.
+    queue: VecDeque<(Vec<usize>, Mode)>,
+    /// Failures to record after the round's transactions.
+    failed: Vec<PendingFailure>,
+    /// (SQLSTATE, error) of each delivery requeued for a deployment fault.
+    deployment_faults: Vec<(String, String)>,
+    /// Conflicts run again in a row.
+    transient_retries: u32,
+}
+
+impl RoundPlan {
+    fn new(round: Vec<usize>) -> Self {
+        Self {
+            queue: VecDeque::from([(round, Mode::Optimistic)]),
+            failed: Vec::new(),
+            deployment_faults: Vec::new(),
+            transient_retries: 0,
+        }
+    }
+}
 
 impl<H: BatchHandler> Processor<H> {
     pub(crate) fn new(
@@ -447,9 +591,9 @@ impl<H: BatchHandler> Processor<H> {
             let mut seen = HashSet::new();
             let (round, later): (Vec<usize>, Vec<usize>) = pending
                 .into_iter()
-                .partition(|&i| seen.insert(envelope_of(items, i).message_id.as_str()));
+                .partition(|&i| seen.insert(items[i].key()));
             let (valid, invalid): (Vec<usize>, Vec<usize>) =
-                round.into_iter().partition(|&i| items[i].is_ok());
+                round.into_iter().partition(|&i| items[i].refusal.is_none());
             self.record_invalid_of(items, &invalid, &mut outcomes, db)
                 .await;
             self.run_round(items, valid, &mut outcomes, db).await;
@@ -495,16 +639,15 @@ impl<H: BatchHandler> Processor<H> {
         let invalid: Vec<PendingFailure> = indexes
             .iter()
             .filter_map(|&index| {
-                let invalid = items[index].as_ref().err()?;
+                let refusal = items[index].refusal.as_ref()?;
                 Some(PendingFailure {
                     index,
                     status: InboxStatus::PermanentFailed,
-                    code: invalid.reason.code().to_owned(),
-                    message: invalid.detail.clone(),
+                    code: refusal.reason.code().to_owned(),
+                    message: refusal.detail.clone(),
                     // The library's own words: sizes, positions, kinds, never the values.
-                    safe_detail: Some(invalid.detail.clone()),
-                    store_payload: invalid.reason
-                        != crate::envelope::InvalidReason::PayloadTooLarge,
+                    safe_detail: Some(refusal.detail.clone()),
+                    store_payload: refusal.reason != InvalidReason::PayloadTooLarge,
                     invalid: true,
                     minimal: false,
                 })
@@ -546,7 +689,7 @@ impl<H: BatchHandler> Processor<H> {
     fn track_requeues(&self, items: &[Parsed], outcomes: &[Outcome]) {
         let mut requeues = self.requeues.lock().unwrap_or_else(PoisonError::into_inner);
         for (i, outcome) in outcomes.iter().enumerate() {
-            let key = envelope_of(items, i).message_id.as_str();
+            let key = items[i].key();
             match outcome {
                 Outcome::Unrecorded { error } => {
                     if requeues.len() >= 100_000 && !requeues.contains_key(key) {
@@ -574,6 +717,8 @@ impl<H: BatchHandler> Processor<H> {
         }
     }
 
+    /// Runs a round's valid messages (distinct keys) through batch transactions until each
+    /// has an outcome, then records the round's failures together.
     async fn run_round(
         &self,
         items: &[Parsed],
@@ -581,102 +726,128 @@ impl<H: BatchHandler> Processor<H> {
         outcomes: &mut [Option<Outcome>],
         db: &mut LaneConnection,
     ) {
-        let mut queue = VecDeque::from([(round, Mode::Optimistic)]);
-        let mut failed: Vec<PendingFailure> = Vec::new();
-        let mut deployment_faults: Vec<(String, String)> = Vec::new();
-        let mut transient_retries = 0;
-        while let Some((active, mode)) = queue.pop_front() {
+        let mut plan = RoundPlan::new(round);
+        while let Some((active, mode)) = plan.queue.pop_front() {
             if active.is_empty() {
                 continue;
             }
-            let without = |failed: &[usize]| -> Vec<usize> {
-                active
-                    .iter()
-                    .copied()
-                    .filter(|a| !failed.contains(a))
-                    .collect()
-            };
             match self.transaction(items, &active, mode, db).await {
-                Ok(done) => {
-                    transient_retries = 0;
-                    for (i, outcome) in done.decided {
-                        if let Outcome::Parked { code, message, .. } = &outcome
-                            && code == PAYLOAD_CONFLICT
-                        {
-                            // The library's words (ids and hashes): safe to log.
-                            self.log_failure(envelope_of(items, i), &outcome, Some(message));
-                        }
-                        outcomes[i] = Some(outcome);
-                    }
-                    failed.extend(done.failed.iter().map(|(i, e)| self.handler_failure(*i, e)));
-                    // Past the savepoint budget: optimistic again, failures are rare.
-                    queue.push_front((done.rest, Mode::Optimistic));
-                }
-                // Linear in failures: the rest runs again at once, in groups under savepoints,
-                // so a later failure undoes its group only, not everything before it.
-                Err(TxError::Handler(i, e)) => {
-                    queue.push_front((without(&[i]), Mode::Savepoints));
-                    failed.push(self.handler_failure(i, &e));
-                }
-                Err(TxError::Handlers(errors)) => {
-                    let blamed: Vec<usize> = errors.iter().map(|(i, _)| *i).collect();
-                    queue.push_front((without(&blamed), mode));
-                    failed.extend(errors.iter().map(|(i, e)| self.handler_failure(*i, e)));
-                }
-                Err(TxError::Isolate(e)) if active.len() > 1 => {
-                    // The code only: a handler's message may quote the body (a decode error does).
-                    tracing::debug!(
-                        code = e.code(),
-                        batch = active.len(),
-                        "batch failed without a culprit; one message per transaction"
-                    );
-                    for &i in active.iter().rev() {
-                        queue.push_front((vec![i], Mode::Optimistic));
-                    }
-                }
-                Err(TxError::Isolate(e)) => failed.push(self.handler_failure(active[0], &e)),
-                Err(TxError::Transient(e)) if transient_retries < MAX_TRANSIENT_RETRIES => {
-                    transient_retries += 1;
-                    tracing::debug!(error = %e, "batch transaction conflict, running it again");
-                    queue.push_front((active, mode));
-                }
-                Err(TxError::Transient(error) | TxError::Outage(error)) => {
-                    db.discard();
-                    for &i in &active {
-                        outcomes[i] = Some(Outcome::Unrecorded {
-                            error: error.clone(),
-                        });
-                    }
-                }
-                // Not the message's fault: requeued with nothing recorded. A culprit named by
-                // the handler goes alone and the rest runs again (other message types may be
-                // fine); otherwise the whole transaction's messages go back.
-                Err(TxError::Deployment {
-                    index,
-                    sqlstate,
-                    error,
-                }) => {
-                    let requeued = match index {
-                        Some(i) => {
-                            queue.push_front((without(&[i]), Mode::Savepoints));
-                            vec![i]
-                        }
-                        None => active,
-                    };
-                    for &i in &requeued {
-                        outcomes[i] = Some(Outcome::Unrecorded {
-                            error: format!("deployment fault (SQLSTATE {sqlstate}): {error}"),
-                        });
-                        deployment_faults.push((sqlstate.clone(), error.clone()));
-                    }
-                }
+                Ok(done) => self.take_committed(items, done, &mut plan, outcomes),
+                Err(e) => self.replan(e, active, mode, &mut plan, outcomes, db),
             }
         }
-        if !deployment_faults.is_empty() {
-            self.report_deployment_faults(&deployment_faults);
+        if !plan.deployment_faults.is_empty() {
+            self.report_deployment_faults(&plan.deployment_faults);
         }
-        if !failed.is_empty() {
-            self.record_failures(items, failed, outcomes, db).await;
+        if !plan.failed.is_empty() {
+            self.record_failures(items, plan.failed, outcomes, db).await;
+        }
+    }
+
+    /// Takes in what a committed transaction decided: outcomes, failures to record, and the
+    /// messages it did not get to.
+    fn take_committed(
+        &self,
+        items: &[Parsed],
+        done: Committed,
+        plan: &mut RoundPlan,
+        outcomes: &mut [Option<Outcome>],
+    ) {
+        plan.transient_retries = 0;
+        for (i, outcome) in done.decided {
+            if let Outcome::Parked { code, message, .. } = &outcome
+                && code == PAYLOAD_CONFLICT
+            {
+                // The library's words (ids and hashes): safe to log.
+                self.log_failure(&items[i].envelope, &outcome, Some(message));
+            }
+            outcomes[i] = Some(outcome);
+        }
+        plan.failed
+            .extend(done.failed.iter().map(|(i, e)| self.handler_failure(*i, e)));
+        // Past the savepoint budget: optimistic again, failures are rare.
+        plan.queue.push_front((done.rest, Mode::Optimistic));
+    }
+
+    /// Plans what runs next after a transaction over `active` failed: without the culprits,
+    /// one message at a time, the same again, or not at all (requeued).
+    fn replan(
+        &self,
+        error: TxError,
+        active: Vec<usize>,
+        mode: Mode,
+        plan: &mut RoundPlan,
+        outcomes: &mut [Option<Outcome>],
+        db: &mut LaneConnection,
+    ) {
+        let without = |failed: &[usize]| -> Vec<usize> {
+            active
+                .iter()
+                .copied()
+                .filter(|a| !failed.contains(a))
+                .collect()
+        };
+        match error {
+            // Linear in failures: the rest runs again at once, in groups under savepoints,
+            // so a later failure undoes its group only, not everything before it.
+            TxError::Handler(i, e) => {
+                plan.queue.push_front((without(&[i]), Mode::Savepoints));
+                plan.failed.push(self.handler_failure(i, &e));
+            }
+            TxError::Handlers(errors) => {
+                let blamed: Vec<usize> = errors.iter().map(|(i, _)| *i).collect();
+                plan.queue.push_front((without(&blamed), mode));
+                plan.failed
+                    .extend(errors.iter().map(|(i, e)| self.handler_failure(*i, e)));
+            }
+            TxError::Isolate(e) if active.len() > 1 => {
+                // The code only: a handler's message may quote the body (a decode error does).
+                tracing::debug!(
+                    code = e.code(),
+                    batch = active.len(),
+                    "batch failed without a culprit; one message per transaction"
+                );
+                for &i in active.iter().rev() {
+                    plan.queue.push_front((vec![i], Mode::Optimistic));
+                }
+            }
+            TxError::Isolate(e) => plan.failed.push(self.handler_failure(active[0], &e)),
+            TxError::Transient(e) if plan.transient_retries < MAX_TRANSIENT_RETRIES => {
+                plan.transient_retries += 1;
+                tracing::debug!(error = %e, "batch transaction conflict, running it again");
+                plan.queue.push_front((active, mode));
+            }
+            TxError::Transient(error) | TxError::Outage(error) => {
+                db.discard();
+                for &i in &active {
+                    outcomes[i] = Some(Outcome::Unrecorded {
+                        error: error.clone(),
+                    });
+                }
+            }
+            // Not the message's fault: requeued with nothing recorded. A culprit named by
+            // the handler goes alone and the rest runs again (other message types may be
+            // fine); otherwise the whole transaction's messages go back.
+            TxError::Deployment {
+                index,
+                sqlstate,
+                error,
+            } => {
+                let requeued = match index {
+                    Some(i) => {
+                        plan.queue.push_front((without(&[i]), Mode::Savepoints));
+                        vec![i]
+                    }
+                    None => active,
+                };
+                for &i in &requeued {
+                    outcomes[i] = Some(Outcome::Unrecorded {
+                        error: format!("deployment fault (SQLSTATE {sqlstate}): {error}"),
+                    });
+                    plan.deployment_faults
+                        .push((sqlstate.clone(), error.clone()));
+                }
+            }
         }
     }
 
@@ -868,47 +1039,82 @@ impl<H: BatchHandler> Processor<H> {
         tx: &mut PgConnection,
         copy_locks: &AtomicBool,
     ) -> Result<(Vec<(usize, Outcome)>, Option<i64>), TxError> {
-        let envelopes: Vec<&Envelope> = active.iter().map(|&i| envelope_of(items, i)).collect();
+        let envelopes: Vec<&Envelope> = active.iter().map(|&i| &items[i].envelope).collect();
         let batch = self
             .store
             .claim_committing(&mut *tx, &self.consumer, &envelopes, true)
             .await
             .map_err(TxError::from_store)?;
+        let mut triage = self.triage(active, &envelopes, batch.claims, batch.db_now);
+        self.settle_contested(items, &mut triage, tx, copy_locks)
+            .await?;
+        self.reclaim(items, &mut triage, tx).await?;
+        self.store
+            .note_redeliveries(&mut *tx, &self.consumer, &triage.redeliveries)
+            .await
+            .map_err(TxError::from_store)?;
 
+        if self.lock_aggregates {
+            lock_aggregates(
+                &mut *tx,
+                &self.consumer,
+                triage.run.iter().map(|&(i, _)| &items[i].envelope),
+            )
+            .await
+            .map_err(TxError::from_store)?;
+        }
+        if triage.run.is_empty() {
+            return Ok((triage.decided, None));
+        }
+        // Delivery order, whatever order the claims came back in.
+        triage.run.sort_unstable_by_key(|&(i, _)| i);
+        self.run_handler(items, &triage, batch.db_now, tx).await?;
+        self.mark_reclaimed_processed(items, &triage.reclaim, tx)
+            .await?;
+        let Triage {
+            mut decided, run, ..
+        } = triage;
+        decided.extend(run.into_iter().map(|(i, _)| (i, Outcome::Processed)));
+        Ok((decided, Some(batch.txid)))
+    }
+
+    /// Sorts the claims of `active` by what their rows say: to run, decided without running,
+    /// to reclaim, or contested (a copy may be in flight elsewhere).
+    fn triage<'a>(
+        &self,
+        active: &[usize],
+        envelopes: &[&'a Envelope],
+        claims: Vec<Claim>,
+        db_now: chrono::DateTime<chrono::Utc>,
+    ) -> Triage<'a> {
         let stale_after = chrono::Duration::from_std(self.retry.stale_processing_after)
             .unwrap_or(chrono::Duration::MAX);
-        let mut decided = Vec::with_capacity(active.len());
-        let mut run: Vec<(usize, i32)> = Vec::new();
-        let mut reclaim: Vec<usize> = Vec::new();
-        // First receipt of each reclaimed key, and how many were stale PROCESSING rows.
-        let mut first_received: Vec<(usize, chrono::DateTime<chrono::Utc>)> = Vec::new();
-        let mut stale_taken_over = 0u64;
-        let mut redeliveries = Vec::new();
-        // Rows whose copy may be in flight elsewhere: parked or retryable, no copy noted.
-        let mut contested: Vec<(usize, Box<InboxRecord>)> = Vec::new();
-        for ((&i, envelope), claim) in active.iter().zip(&envelopes).zip(batch.claims) {
+        let mut triage = Triage::with_capacity(active.len());
+        for ((&i, &envelope), claim) in active.iter().zip(envelopes).zip(claims) {
             let record = match claim {
                 Claim::Claimed => {
-                    run.push((i, 1));
+                    triage.run.push((i, 1));
                     continue;
                 }
                 Claim::Existing(record) => record,
             };
             let conflict = self.body_must_match && !same_body(&record.payload_sha256, envelope);
             let pending = (!conflict)
-                .then(|| record.pending_copy(scheduled_attempt(envelope), batch.db_now))
+                .then(|| record.pending_copy(scheduled_attempt(envelope), db_now))
                 .flatten();
-            redeliveries.push(Redelivery {
+            triage.redeliveries.push(Redelivery {
                 message_id: &envelope.message_id,
                 conflicting_sha256: conflict.then_some(&envelope.payload_sha256[..]),
                 duplicate_of: pending,
             });
             if conflict {
-                decided.push((i, payload_conflict(&record, envelope)));
+                triage
+                    .decided
+                    .push((i, payload_conflict(&record, envelope)));
                 continue;
             }
             if let Some(copy) = pending {
-                decided.push((i, Outcome::CopyPending { copy }));
+                triage.decided.push((i, Outcome::CopyPending { copy }));
                 continue;
             }
             let outcome = match record.status {
@@ -917,7 +1123,7 @@ impl<H: BatchHandler> Processor<H> {
                 | InboxStatus::PermanentFailed
                 | InboxStatus::Poisoned
                 | InboxStatus::ManualReview => {
-                    contested.push((i, record));
+                    triage.contested.push((i, record));
                     continue;
                 }
                 InboxStatus::Processing => {
@@ -925,88 +1131,100 @@ impl<H: BatchHandler> Processor<H> {
                         .processing_started_at
                         .unwrap_or(record.last_received_at);
                     // The database's clock on both sides: hosts' clocks drift.
-                    if batch.db_now - started > stale_after {
-                        reclaim.push(i);
-                        first_received.push((i, record.first_received_at));
-                        stale_taken_over += 1;
+                    if db_now - started > stale_after {
+                        triage.reclaim.push(i);
+                        triage.first_received.push((i, record.first_received_at));
+                        triage.stale_taken_over += 1;
                         continue;
                     }
                     Outcome::InFlightElsewhere
                 }
             };
-            decided.push((i, outcome));
+            triage.decided.push((i, outcome));
         }
-        if !contested.is_empty() {
-            let ids: Vec<&str> = contested
-                .iter()
-                .map(|(i, _)| envelope_of(items, *i).message_id.as_str())
-                .collect();
-            let mine = self
-                .store
-                .try_copy_locks(&mut *tx, &self.consumer, &ids)
-                .await
-                .map_err(TxError::from_store)?;
-            if mine.contains(&true) {
-                copy_locks.store(true, Ordering::Relaxed);
-            }
-            for ((i, record), mine) in contested.into_iter().zip(mine) {
-                if !mine {
-                    // Another session decided on this row's copy and has not noted it yet: a
-                    // second copy would be a second parked (or retry) copy. This one goes
-                    // round a retry tier and then finds the copy noted.
-                    decided.push((i, Outcome::InFlightElsewhere));
-                } else if record.status == InboxStatus::RetryableFailed {
-                    reclaim.push(i);
-                    first_received.push((i, record.first_received_at));
-                } else {
-                    // Parked, but no confirmed parking copy is noted and none is on its way
-                    // (the confirm never came, or the process died before noting it): park
-                    // this copy rather than risk losing it.
-                    decided.push((i, parked_again(&record)));
-                }
-            }
-        }
-        if !reclaim.is_empty() {
-            let ids: Vec<&str> = reclaim
-                .iter()
-                .map(|&i| envelope_of(items, i).message_id.as_str())
-                .collect();
-            let attempts = self
-                .store
-                .mark_processing(&mut *tx, &self.consumer, &ids)
-                .await
-                .map_err(TxError::from_store)?;
-            for &i in &reclaim {
-                let id = &envelope_of(items, i).message_id;
-                let attempt = attempts
-                    .iter()
-                    .find(|(a, _)| a == id)
-                    .map(|(_, n)| *n)
-                    .ok_or_else(|| {
-                        TxError::Transient(format!("row {id} could not be reclaimed"))
-                    })?;
-                run.push((i, attempt));
-            }
-        }
-        self.store
-            .note_redeliveries(&mut *tx, &self.consumer, &redeliveries)
-            .await
-            .map_err(TxError::from_store)?;
+        triage
+    }
 
-        if self.lock_aggregates {
-            lock_aggregates(
-                &mut *tx,
-                &self.consumer,
-                run.iter().map(|&(i, _)| envelope_of(items, i)),
-            )
+    /// Decides the contested rows by their copy locks: a row whose lock another session holds
+    /// has its copy on the way; otherwise a retryable row is reclaimed and a parked one
+    /// parks this copy.
+    async fn settle_contested(
+        &self,
+        items: &[Parsed],
+        triage: &mut Triage<'_>,
+        tx: &mut PgConnection,
+        copy_locks: &AtomicBool,
+    ) -> Result<(), TxError> {
+        if triage.contested.is_empty() {
+            return Ok(());
+        }
+        let contested = std::mem::take(&mut triage.contested);
+        let ids: Vec<&str> = contested.iter().map(|(i, _)| items[*i].key()).collect();
+        let mine = self
+            .store
+            .try_copy_locks(&mut *tx, &self.consumer, &ids)
             .await
             .map_err(TxError::from_store)?;
+        if mine.contains(&true) {
+            copy_locks.store(true, Ordering::Relaxed);
         }
-        if run.is_empty() {
-            return Ok((decided, None));
+        for ((i, record), mine) in contested.into_iter().zip(mine) {
+            if !mine {
+                // Another session decided on this row's copy and has not noted it yet: a
+                // second copy would be a second parked (or retry) copy. This one goes
+                // round a retry tier and then finds the copy noted.
+                triage.decided.push((i, Outcome::InFlightElsewhere));
+            } else if record.status == InboxStatus::RetryableFailed {
+                triage.reclaim.push(i);
+                triage.first_received.push((i, record.first_received_at));
+            } else {
+                // Parked, but no confirmed parking copy is noted and none is on its way
+                // (the confirm never came, or the process died before noting it): park
+                // this copy rather than risk losing it.
+                triage.decided.push((i, parked_again(&record)));
+            }
         }
-        // Delivery order, whatever order the claims came back in.
-        run.sort_unstable_by_key(|&(i, _)| i);
+        Ok(())
+    }
+
+    /// Takes the rows to reclaim back into PROCESSING; they run with their next attempt.
+    async fn reclaim(
+        &self,
+        items: &[Parsed],
+        triage: &mut Triage<'_>,
+        tx: &mut PgConnection,
+    ) -> Result<(), TxError> {
+        if triage.reclaim.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<&str> = triage.reclaim.iter().map(|&i| items[i].key()).collect();
+        let attempts = self
+            .store
+            .mark_processing(&mut *tx, &self.consumer, &ids)
+            .await
+            .map_err(TxError::from_store)?;
+        for &i in &triage.reclaim {
+            let id = &items[i].envelope.message_id;
+            let attempt = attempts
+                .iter()
+                .find(|(a, _)| a == id)
+                .map(|(_, n)| *n)
+                .ok_or_else(|| TxError::Transient(format!("row {id} could not be reclaimed")))?;
+            triage.run.push((i, attempt));
+        }
+        Ok(())
+    }
+
+    /// Runs the handler over the messages to run, in delivery order, and records its metrics
+    /// when it succeeds. A panic counts as the batch's failure.
+    async fn run_handler(
+        &self,
+        items: &[Parsed],
+        triage: &Triage<'_>,
+        db_now: chrono::DateTime<chrono::Utc>,
+        tx: &mut PgConnection,
+    ) -> Result<(), TxError> {
+        let run = &triage.run;
         // Fresh per run: a rolled-back run's emitted messages are gone, and the next run
         // derives the same ids again from position 0.
         let emitted: Vec<AtomicU32> = run.iter().map(|_| AtomicU32::new(0)).collect();
@@ -1014,7 +1232,7 @@ impl<H: BatchHandler> Processor<H> {
             .iter()
             .zip(&emitted)
             .map(|(&(i, attempt), emitted)| InboxMessage {
-                envelope: envelope_of(items, i),
+                envelope: &items[i].envelope,
                 consumer_name: &self.consumer,
                 attempt,
                 outbox: &self.outbox,
@@ -1029,55 +1247,32 @@ impl<H: BatchHandler> Processor<H> {
             .await
             .unwrap_or_else(|panic| Err(BatchError::Batch(HandlerError::panicked(&*panic))));
         match handled {
-            Ok(()) => self.record_handled(
-                &msgs,
-                &run,
-                &first_received,
-                batch.db_now,
-                handler_began,
-                stale_taken_over,
-            ),
-            Err(BatchError::Message { index, error }) => {
-                let i = run.get(index).map(|&(i, _)| i).ok_or_else(|| {
-                    TxError::Isolate(HandlerError::retryable(
-                        "bad_batch_index",
-                        format!("batch handler blamed message {index} of {}", run.len()),
-                    ))
-                })?;
-                return Err(TxError::from_handler(Some(i), error));
+            Ok(()) => {
+                self.record_handled(
+                    &msgs,
+                    run,
+                    &triage.first_received,
+                    db_now,
+                    handler_began,
+                    triage.stale_taken_over,
+                );
+                Ok(())
             }
-            Err(BatchError::Messages(errors)) => {
-                let mut blamed = Vec::with_capacity(errors.len());
-                for (index, error) in errors {
-                    let Some(&(i, _)) = run.get(index) else {
-                        return Err(TxError::Isolate(HandlerError::retryable(
-                            "bad_batch_index",
-                            format!("batch handler blamed message {index} of {}", run.len()),
-                        )));
-                    };
-                    match TxError::from_handler(Some(i), error) {
-                        TxError::Handler(i, e) => blamed.push((i, e)),
-                        // Not about the message: the whole transaction's problem.
-                        other => return Err(other),
-                    }
-                }
-                if blamed.is_empty() {
-                    return Err(TxError::Isolate(HandlerError::retryable(
-                        "batch_failed",
-                        "batch handler reported failed messages without naming one",
-                    )));
-                }
-                blamed.sort_by_key(|(i, _)| *i);
-                blamed.dedup_by_key(|(i, _)| *i);
-                return Err(TxError::Handlers(blamed));
-            }
-            Err(BatchError::Batch(error)) => return Err(TxError::from_handler(None, error)),
+            Err(error) => Err(TxError::from_batch(run, error)),
         }
-        // New rows were inserted PROCESSED already; reclaimed ones still need the update.
-        // Whether a body kept from the failure stays depends on the message type's policy.
+    }
+
+    /// Marks the reclaimed rows PROCESSED (new rows were inserted PROCESSED already). Whether
+    /// a body kept from the failure stays depends on the message type's policy.
+    async fn mark_reclaimed_processed(
+        &self,
+        items: &[Parsed],
+        reclaim: &[usize],
+        tx: &mut PgConnection,
+    ) -> Result<(), TxError> {
         let (keep, drop): (Vec<&Envelope>, Vec<&Envelope>) = reclaim
             .iter()
-            .map(|&i| envelope_of(items, i))
+            .map(|&i| &items[i].envelope)
             .partition(|e| self.store.keeps_processed_payload(&e.message_type));
         for (envelopes, keep_payload) in [(keep, true), (drop, false)] {
             if envelopes.is_empty() {
@@ -1097,13 +1292,10 @@ impl<H: BatchHandler> Processor<H> {
                 )));
             }
         }
-        decided.extend(run.into_iter().map(|(i, _)| (i, Outcome::Processed)));
-        Ok((decided, Some(batch.txid)))
+        Ok(())
     }
 
-    /// Records failures in one short transaction on the lane's connection (the batch
-    /// transactions are over, so it holds no locks and needs no second connection) and says
-    /// where each message goes.
+    /// Metrics of a batch transaction: from BEGIN to its COMMIT or ROLLBACK.
     fn record_transaction(&self, began: std::time::Instant, result: &'static str) {
         metrics::histogram!(m::TRANSACTION_DURATION, "consumer" => self.stats.consumer_label().clone(), "result" => result)
             .record(began.elapsed().as_secs_f64());
@@ -1159,6 +1351,9 @@ impl<H: BatchHandler> Processor<H> {
         }
     }
 
+    /// Records failures in one short transaction on the lane's connection (the batch
+    /// transactions are over, so it holds no locks and needs no second connection) and says
+    /// where each message goes.
     async fn record_failures(
         &self,
         items: &[Parsed],
@@ -1181,7 +1376,7 @@ impl<H: BatchHandler> Processor<H> {
                             .iter()
                             .find(|f| f.index == i)
                             .and_then(|f| f.safe_detail.as_deref());
-                        self.log_failure(envelope_of(items, i), &outcome, safe_detail);
+                        self.log_failure(&items[i].envelope, &outcome, safe_detail);
                         outcomes[i] = Some(outcome);
                     }
                     return;
@@ -1199,7 +1394,7 @@ impl<H: BatchHandler> Processor<H> {
                             return;
                         }
                     } else {
-                        tracing::warn!(%error, message_id = %envelope_of(items, failures[k].index).message_id, "failure record refused; recording a minimal row");
+                        tracing::warn!(%error, message_id = %items[failures[k].index].key(), "failure record refused; recording a minimal row");
                         failures[k].minimal = true;
                     }
                 }
@@ -1243,6 +1438,9 @@ impl<H: BatchHandler> Processor<H> {
         }
     }
 
+    /// The failure transaction's work: conflicting copies sorted out against the locked rows,
+    /// the rest recorded in waves of distinct keys, the deliveries counted on their rows, and
+    /// the copy locks of the copies decided on taken.
     async fn write_failures(
         &self,
         items: &[Parsed],
@@ -1251,10 +1449,7 @@ impl<H: BatchHandler> Processor<H> {
         tx: &mut PgConnection,
         copy_locks: &AtomicBool,
     ) -> Result<Vec<(usize, Outcome)>, FailureTxError> {
-        let ids: Vec<&str> = failures
-            .iter()
-            .map(|f| envelope_of(items, f.index).message_id.as_str())
-            .collect();
+        let ids: Vec<&str> = failures.iter().map(|f| items[f.index].key()).collect();
         let existing = self
             .store
             .lock_rows(&mut *tx, &self.consumer, &ids)
@@ -1267,7 +1462,7 @@ impl<H: BatchHandler> Processor<H> {
         let mut notes = Vec::new();
         let mut to_record = Vec::with_capacity(failures.len());
         for (k, f) in failures.iter().enumerate() {
-            let envelope = envelope_of(items, f.index);
+            let envelope = &items[f.index].envelope;
             if let Some(conflict) =
                 row_of(&envelope.message_id).and_then(|row| self.failure_conflict(row, envelope, f))
             {
@@ -1281,50 +1476,20 @@ impl<H: BatchHandler> Processor<H> {
         let minimal: HashMap<usize, Envelope> = to_record
             .iter()
             .filter(|&&k| failures[k].minimal)
-            .map(|&k| (k, minimal(envelope_of(items, failures[k].index))))
+            .map(|&k| (k, minimal(&items[failures[k].index].envelope)))
             .collect();
         // Waves of distinct keys: one upsert cannot touch a row twice.
         while !to_record.is_empty() {
-            let mut seen = std::collections::HashSet::new();
+            let mut seen = HashSet::new();
             let (wave, later): (Vec<usize>, Vec<usize>) = to_record.iter().partition(|&&k| {
-                (!one_by_one || seen.is_empty())
-                    && seen.insert(envelope_of(items, failures[k].index).message_id.as_str())
+                (!one_by_one || seen.is_empty()) && seen.insert(items[failures[k].index].key())
             });
             to_record = later;
-            let rows: Vec<(&Envelope, Failure<'_>)> = wave
-                .iter()
-                .map(|&k| {
-                    let f = &failures[k];
-                    let stored = minimal
-                        .get(&k)
-                        .unwrap_or_else(|| envelope_of(items, f.index));
-                    let failure = Failure {
-                        status: f.status,
-                        code: &f.code,
-                        message: &f.message,
-                        safe_detail: f.safe_detail.as_deref(),
-                        max_attempts: self.retry.max_attempts,
-                        store_payload: f.store_payload && !f.minimal,
-                    };
-                    (stored, failure)
-                })
-                .collect();
             let recorded = self
-                .store
-                .record_failures(&mut *tx, &self.consumer, self.retry.max_attempts, &rows)
-                .await
-                .map_err(|e| match &e {
-                    StoreError::Database(db)
-                        if DbErrorClass::of(db) == DbErrorClass::Deterministic =>
-                    {
-                        let k = (wave.len() == 1).then(|| wave[0]);
-                        FailureTxError::Unstorable(k, e.to_string())
-                    }
-                    _ => FailureTxError::store(e),
-                })?;
+                .record_wave(items, failures, &wave, &minimal, tx)
+                .await?;
             for (&k, recorded) in wave.iter().zip(recorded) {
                 let f = &failures[k];
-                let envelope = envelope_of(items, f.index);
                 let outcome = match recorded {
                     Some((InboxStatus::RetryableFailed, attempt)) => Outcome::RetryScheduled {
                         attempt,
@@ -1336,51 +1501,9 @@ impl<H: BatchHandler> Processor<H> {
                         message: f.message.clone(),
                         attempt: Some(attempt),
                     },
-                    // The row is PROCESSED or parked and was left alone: this delivery is
-                    // counted on it as a repeat (of its effect, or of its parked copy).
                     None => {
-                        let row = self
-                            .store
-                            .find(&mut *tx, &self.consumer, &envelope.message_id)
-                            .await
-                            .map_err(FailureTxError::store)?;
-                        // Another body's row, committed while this statement waited for its
-                        // insert (another consumer's copy): a conflict, as above.
-                        let conflict = row
-                            .as_ref()
-                            .and_then(|row| self.failure_conflict(row, envelope, f));
-                        match (row, conflict) {
-                            (_, Some((note, outcome))) => {
-                                notes.push(note);
-                                outcome
-                            }
-                            (Some(row), None) if row.status == InboxStatus::Processed => {
-                                notes.push(Redelivery {
-                                    message_id: &envelope.message_id,
-                                    conflicting_sha256: None,
-                                    duplicate_of: None,
-                                });
-                                Outcome::Duplicate
-                            }
-                            (Some(row), None) if row.status.is_parked() => {
-                                let copy = row.pending_copy(None, chrono::Utc::now());
-                                notes.push(Redelivery {
-                                    message_id: &envelope.message_id,
-                                    conflicting_sha256: None,
-                                    duplicate_of: copy,
-                                });
-                                match copy {
-                                    Some(copy) => Outcome::CopyPending { copy },
-                                    None => parked_again(&row),
-                                }
-                            }
-                            _ => {
-                                return Err(FailureTxError::Transient(format!(
-                                    "row {} changed while its failure was recorded",
-                                    envelope.message_id
-                                )));
-                            }
-                        }
+                        self.failure_left_alone(&items[f.index].envelope, f, &mut notes, tx)
+                            .await?
                     }
                 };
                 decided.push((f.index, outcome));
@@ -1393,6 +1516,99 @@ impl<H: BatchHandler> Processor<H> {
         self.hold_copy_locks(&mut decided, items, tx, copy_locks)
             .await?;
         Ok(decided)
+    }
+
+    /// Records one wave of failures (distinct keys) in one statement; for each, the status and
+    /// attempt its row now has, or `None` where the row was left alone. A statement the
+    /// database refuses as such names its failure when the wave has one.
+    async fn record_wave(
+        &self,
+        items: &[Parsed],
+        failures: &[PendingFailure],
+        wave: &[usize],
+        minimal: &HashMap<usize, Envelope>,
+        tx: &mut PgConnection,
+    ) -> Result<Vec<Option<(InboxStatus, i32)>>, FailureTxError> {
+        let rows: Vec<(&Envelope, Failure<'_>)> = wave
+            .iter()
+            .map(|&k| {
+                let f = &failures[k];
+                let stored = minimal.get(&k).unwrap_or_else(|| &items[f.index].envelope);
+                let failure = Failure {
+                    status: f.status,
+                    code: &f.code,
+                    message: &f.message,
+                    safe_detail: f.safe_detail.as_deref(),
+                    max_attempts: self.retry.max_attempts,
+                    store_payload: f.store_payload && !f.minimal,
+                };
+                (stored, failure)
+            })
+            .collect();
+        self.store
+            .record_failures(&mut *tx, &self.consumer, self.retry.max_attempts, &rows)
+            .await
+            .map_err(|e| match &e {
+                StoreError::Database(db) if DbErrorClass::of(db) == DbErrorClass::Deterministic => {
+                    let k = (wave.len() == 1).then(|| wave[0]);
+                    FailureTxError::Unstorable(k, e.to_string())
+                }
+                _ => FailureTxError::store(e),
+            })
+    }
+
+    /// The outcome of a failure whose row the statement left alone, PROCESSED or parked: this
+    /// delivery is counted on it (`notes`) as a repeat of its effect or of its parked copy, or
+    /// as a conflict when the row holds another body.
+    async fn failure_left_alone<'e>(
+        &self,
+        envelope: &'e Envelope,
+        f: &PendingFailure,
+        notes: &mut Vec<Redelivery<'e>>,
+        tx: &mut PgConnection,
+    ) -> Result<Outcome, FailureTxError> {
+        let row = self
+            .store
+            .find(&mut *tx, &self.consumer, &envelope.message_id)
+            .await
+            .map_err(FailureTxError::store)?;
+        // Another body's row, committed while this statement waited for its insert (another
+        // consumer's copy): a conflict, as before the statement.
+        let conflict = row
+            .as_ref()
+            .and_then(|row| self.failure_conflict(row, envelope, f));
+        Ok(match (row, conflict) {
+            (_, Some((note, outcome))) => {
+                notes.push(note);
+                outcome
+            }
+            (Some(row), None) if row.status == InboxStatus::Processed => {
+                notes.push(Redelivery {
+                    message_id: &envelope.message_id,
+                    conflicting_sha256: None,
+                    duplicate_of: None,
+                });
+                Outcome::Duplicate
+            }
+            (Some(row), None) if row.status.is_parked() => {
+                let copy = row.pending_copy(None, chrono::Utc::now());
+                notes.push(Redelivery {
+                    message_id: &envelope.message_id,
+                    conflicting_sha256: None,
+                    duplicate_of: copy,
+                });
+                match copy {
+                    Some(copy) => Outcome::CopyPending { copy },
+                    None => parked_again(&row),
+                }
+            }
+            _ => {
+                return Err(FailureTxError::Transient(format!(
+                    "row {} changed while its failure was recorded",
+                    envelope.message_id
+                )));
+            }
+        })
     }
 
     /// The payload conflict of a failure whose row holds another body: an invalid copy under
@@ -1457,10 +1673,7 @@ impl<H: BatchHandler> Processor<H> {
                 )
             })
             .collect();
-        let ids: Vec<&str> = copying
-            .iter()
-            .map(|&k| envelope_of(items, decided[k].0).message_id.as_str())
-            .collect();
+        let ids: Vec<&str> = copying.iter().map(|&k| items[decided[k].0].key()).collect();
         let mine = self
             .store
             .try_copy_locks(tx, &self.consumer, &ids)
@@ -1574,13 +1787,6 @@ fn minimal(envelope: &Envelope) -> Envelope {
         payload_sha256: envelope.payload_sha256,
         redelivered: envelope.redelivered,
         death_count: envelope.death_count,
-    }
-}
-
-fn envelope_of(items: &[Parsed], i: usize) -> &Envelope {
-    match &items[i] {
-        Ok(envelope) => envelope,
-        Err(invalid) => &invalid.envelope,
     }
 }
 

@@ -384,38 +384,25 @@ impl<H: BatchHandler> TestConsumer<H> {
         messages: impl IntoIterator<Item = TestMessage>,
     ) -> Result<Vec<Delivered>, StoreError> {
         let mut lane = self.lane.lock().await;
-        let mut queue: VecDeque<(usize, TestMessage, Parsed)> = messages
+        let mut queue: VecDeque<Delivery> = messages
             .into_iter()
             .enumerate()
             .map(|(i, message)| {
                 let parsed = envelope::parse(message.0.clone(), &self.config.envelope);
-                (i, message, parsed)
+                (i, message, Parsed::from(parsed))
             })
             .collect();
         let mut results: Vec<Option<Delivered>> = (0..queue.len()).map(|_| None).collect();
         self.stats.record_received(queue.len() as u64);
         // Later copies of a key held back from the last batch: they go first in the next one.
-        let mut held: Vec<(usize, TestMessage, Parsed)> = Vec::new();
+        let mut held: Vec<Delivery> = Vec::new();
         // Keys whose delivery was requeued: the later copies of this call follow it back.
         let mut requeued: HashSet<String> = HashSet::new();
         while !held.is_empty() || !queue.is_empty() {
-            let mut batch = std::mem::take(&mut held);
-            while batch.len() < self.config.batch_size.max(1) {
-                let Some(next) = queue.pop_front() else { break };
-                batch.push(next);
-            }
-            let mut seen = HashSet::new();
-            let (batch, later): (Vec<_>, Vec<_>) = batch
-                .into_iter()
-                .partition(|(_, _, parsed)| seen.insert(envelope_of(parsed).message_id.clone()));
-            held = later;
-            let (following, batch): (Vec<_>, Vec<_>) = batch
-                .into_iter()
-                .partition(|(_, _, parsed)| requeued.contains(&envelope_of(parsed).message_id));
-
+            let (batch, following) = self.next_batch(&mut queue, &mut held, &requeued);
             let parsed: Vec<Parsed> = batch.iter().map(|(_, _, p)| p.clone()).collect();
             let mut outcomes = self.processor.process(&parsed, &mut lane).await;
-            let mut items: Vec<(usize, TestMessage, Parsed)> = batch;
+            let mut items: Vec<Delivery> = batch;
             for item in following {
                 outcomes.push(Outcome::Unrecorded {
                     error: "an earlier delivery of this message was requeued; this copy follows it"
@@ -423,46 +410,17 @@ impl<H: BatchHandler> TestConsumer<H> {
                 });
                 items.push(item);
             }
-            let envelopes: Vec<&Envelope> = items.iter().map(|(_, _, p)| envelope_of(p)).collect();
-            self.stats.record_outcomes(&outcomes, &envelopes);
-
-            let settled: Vec<(BrokerAction, Option<ConfirmedCopy>)> = items
-                .iter()
-                .zip(&outcomes)
-                .map(|((_, _, parsed), outcome)| self.settlement(envelope_of(parsed), outcome))
-                .collect();
-            let copies: Vec<ConfirmedCopy> = settled
-                .iter()
-                .filter_map(|(_, copy)| copy.clone())
-                .collect();
-            if !copies.is_empty() {
-                let (store, consumer) = self.processor.store();
-                lane.note_confirmed_copies(store, consumer, &copies).await;
-            }
-            lane.release_copy_locks().await;
-            self.processor.flush_failure_log();
-
-            for (((i, message, parsed), outcome), (broker_action, noted_copy)) in
+            let settled = self.settle(&items, &outcomes, &mut lane).await;
+            for (((i, message, parsed), outcome), settled) in
                 items.into_iter().zip(outcomes).zip(settled)
             {
-                let inbox_key = envelope_of(&parsed).message_id.clone();
                 if matches!(outcome, Outcome::Unrecorded { .. }) {
-                    requeued.insert(inbox_key.clone());
+                    requeued.insert(parsed.key().to_owned());
                 }
-                let record = match self.read_record(&mut lane, &inbox_key).await {
-                    Ok(record) => record,
-                    // The database is gone: what was recorded is unknown, and so is the row.
-                    Err(_) if matches!(outcome, Outcome::Unrecorded { .. }) => None,
-                    Err(e) => return Err(e),
-                };
-                results[i] = Some(Delivered {
-                    inbox_key,
-                    outcome,
-                    broker_action,
-                    noted_copy,
-                    record,
-                    message,
-                });
+                let delivered = self
+                    .delivered(&mut lane, message, parsed, outcome, settled)
+                    .await?;
+                results[i] = Some(delivered);
             }
         }
         results
@@ -471,6 +429,86 @@ impl<H: BatchHandler> TestConsumer<H> {
                 r.ok_or_else(|| StoreError::Corrupt("a delivery was left without a result".into()))
             })
             .collect()
+    }
+
+    /// The next batch, as a lane forms it: the copies `held` back first, then the `queue`, up
+    /// to `batch_size`. Later copies of a key in it are held back again; the copies of
+    /// `requeued` keys are split off to follow their first copy back (second).
+    fn next_batch(
+        &self,
+        queue: &mut VecDeque<Delivery>,
+        held: &mut Vec<Delivery>,
+        requeued: &HashSet<String>,
+    ) -> (Vec<Delivery>, Vec<Delivery>) {
+        let mut batch = std::mem::take(held);
+        while batch.len() < self.config.batch_size.max(1) {
+            let Some(next) = queue.pop_front() else { break };
+            batch.push(next);
+        }
+        let mut seen = HashSet::new();
+        let (batch, later): (Vec<_>, Vec<_>) = batch
+            .into_iter()
+            .partition(|(_, _, parsed)| seen.insert(parsed.key().to_owned()));
+        *held = later;
+        let (following, batch): (Vec<_>, Vec<_>) = batch
+            .into_iter()
+            .partition(|(_, _, parsed)| requeued.contains(parsed.key()));
+        (batch, following)
+    }
+
+    /// Settles a processed batch as the consumer would, with a broker that confirms every
+    /// copy: counts the outcomes, notes the copies on their rows, releases the copy locks.
+    /// Returns each delivery's broker action and noted copy.
+    async fn settle(
+        &self,
+        items: &[Delivery],
+        outcomes: &[Outcome],
+        lane: &mut LaneConnection,
+    ) -> Vec<(BrokerAction, Option<ConfirmedCopy>)> {
+        let envelopes: Vec<&Envelope> = items.iter().map(|(_, _, p)| &p.envelope).collect();
+        self.stats.record_outcomes(outcomes, &envelopes);
+        let settled: Vec<(BrokerAction, Option<ConfirmedCopy>)> = envelopes
+            .iter()
+            .zip(outcomes)
+            .map(|(envelope, outcome)| self.settlement(envelope, outcome))
+            .collect();
+        let copies: Vec<ConfirmedCopy> = settled
+            .iter()
+            .filter_map(|(_, copy)| copy.clone())
+            .collect();
+        if !copies.is_empty() {
+            let (store, consumer) = self.processor.store();
+            lane.note_confirmed_copies(store, consumer, &copies).await;
+        }
+        lane.release_copy_locks().await;
+        self.processor.flush_failure_log();
+        settled
+    }
+
+    /// The result of one settled delivery, with its row read back.
+    async fn delivered(
+        &self,
+        lane: &mut LaneConnection,
+        message: TestMessage,
+        parsed: Parsed,
+        outcome: Outcome,
+        (broker_action, noted_copy): (BrokerAction, Option<ConfirmedCopy>),
+    ) -> Result<Delivered, StoreError> {
+        let inbox_key = parsed.envelope.message_id;
+        let record = match self.read_record(lane, &inbox_key).await {
+            Ok(record) => record,
+            // The database is gone: what was recorded is unknown, and so is the row.
+            Err(_) if matches!(outcome, Outcome::Unrecorded { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        Ok(Delivered {
+            inbox_key,
+            outcome,
+            broker_action,
+            noted_copy,
+            record,
+            message,
+        })
     }
 
     /// The inbox row of `inbox_key` for this consumer, read on the lane's connection.
@@ -571,12 +609,8 @@ impl<H: BatchHandler> TestConsumer<H> {
     }
 }
 
-fn envelope_of(parsed: &Parsed) -> &Envelope {
-    match parsed {
-        Ok(envelope) => envelope,
-        Err(invalid) => &invalid.envelope,
-    }
-}
+/// A message to deliver: its position in the call, the message, and how it parsed.
+type Delivery = (usize, TestMessage, Parsed);
 
 /// A PostgreSQL schema of one test's own (`inbox_test_<32 hex digits>`), with the inbox
 /// migrated into it, and a pool whose connections look there first: tables a test creates

@@ -27,7 +27,7 @@ use crate::{
     },
     retry::RetryPolicy,
     status::{InboxStatus, LEASE_LOST, Outcome},
-    store::{Claim, InboxStore, Redelivery},
+    store::{Claim, InboxRecord, InboxStore, Redelivery},
 };
 
 /// What a claim transaction decided for one message.
@@ -106,7 +106,9 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
         // first one's lease like any copy in flight elsewhere.
         let mut runs = Vec::new();
         for (i, item) in items.iter().enumerate() {
-            let Ok(envelope) = item else { continue };
+            let Some(envelope) = item.valid() else {
+                continue;
+            };
             match self.claim(envelope, db).await {
                 Ok(Claimed::Run { attempt, token }) => runs.push((i, envelope, attempt, token)),
                 Ok(Claimed::Decided(outcome)) => outcomes[i] = Some(outcome),
@@ -178,6 +180,8 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
         }
     }
 
+    /// The claim transaction's work: the row inserted and leased, or the existing row decided
+    /// on.
     async fn claim_in(
         &self,
         tx: &mut PgConnection,
@@ -187,36 +191,53 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
         // The body is kept from the claim on (unless never kept): a lease that expires leaves
         // a PROCESSING row recovery may have to republish.
         let store_payload = self.payload_storage != PayloadStorage::Never;
-        let take = async |tx: &mut PgConnection, fresh| -> Result<Option<Claimed>, StoreError> {
-            Ok(self
-                .sql
-                .take(
-                    tx,
-                    &self.consumer,
-                    &envelope.message_id,
-                    &self.owner,
-                    self.lease.ttl,
-                    fresh,
-                    self.retry.stale_processing_after,
-                )
-                .await?
-                .map(|(attempt, token)| Claimed::Run { attempt, token }))
-        };
-        let record = match self
+        match self
             .store
             .try_claim(&mut *tx, &self.consumer, envelope, store_payload)
             .await?
         {
-            Claim::Claimed => {
-                return take(tx, true).await?.ok_or_else(|| {
-                    StoreError::Corrupt(format!(
-                        "row {} was inserted but could not be leased",
-                        envelope.message_id
-                    ))
-                });
-            }
-            Claim::Existing(record) => record,
-        };
+            Claim::Claimed => self.take(tx, envelope, true).await?.ok_or_else(|| {
+                StoreError::Corrupt(format!(
+                    "row {} was inserted but could not be leased",
+                    envelope.message_id
+                ))
+            }),
+            Claim::Existing(record) => self.claim_existing(tx, envelope, &record, copy_locks).await,
+        }
+    }
+
+    /// Takes the lease on the row of `envelope` (a `fresh` one just inserted, else one whose
+    /// lease expired or that is due for a retry): `None` when the row may not be taken.
+    async fn take(
+        &self,
+        tx: &mut PgConnection,
+        envelope: &Envelope,
+        fresh: bool,
+    ) -> Result<Option<Claimed>, StoreError> {
+        Ok(self
+            .sql
+            .take(
+                tx,
+                &self.consumer,
+                &envelope.message_id,
+                &self.owner,
+                self.lease.ttl,
+                fresh,
+                self.retry.stale_processing_after,
+            )
+            .await?
+            .map(|(attempt, token)| Claimed::Run { attempt, token }))
+    }
+
+    /// Decides a delivery of an existing row: counted on it, then a conflict, a copy already
+    /// on its way, a duplicate, parked again, or the row's lease taken.
+    async fn claim_existing(
+        &self,
+        tx: &mut PgConnection,
+        envelope: &Envelope,
+        record: &InboxRecord,
+        copy_locks: &std::sync::atomic::AtomicBool,
+    ) -> Result<Claimed, StoreError> {
         let conflict = self.body_must_match && !same_body(&record.payload_sha256, envelope);
         let db_now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
             .fetch_one(&mut *tx)
@@ -236,7 +257,7 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
             )
             .await?;
         if conflict {
-            return Ok(Claimed::Decided(payload_conflict(&record, envelope)));
+            return Ok(Claimed::Decided(payload_conflict(record, envelope)));
         }
         if let Some(copy) = pending {
             return Ok(Claimed::Decided(Outcome::CopyPending { copy }));
@@ -252,13 +273,14 @@ impl<L: LeasedHandler> LeasedProcessor<L> {
                     .await?;
                 if mine.first() == Some(&true) {
                     copy_locks.store(true, std::sync::atomic::Ordering::Relaxed);
-                    Claimed::Decided(parked_again(&record))
+                    Claimed::Decided(parked_again(record))
                 } else {
                     Claimed::Decided(Outcome::InFlightElsewhere)
                 }
             }
             // RETRYABLE_FAILED, or PROCESSING: taken only if its lease expired.
-            _ => take(tx, false)
+            _ => self
+                .take(tx, envelope, false)
                 .await?
                 .unwrap_or(Claimed::Decided(Outcome::InFlightElsewhere)),
         })

@@ -384,6 +384,23 @@ enum Claimed {
     BrokerDown(String),
 }
 
+/// What the claiming half does after a claim.
+enum AfterClaim {
+    /// Claim again at once: more is waiting, or a failure's back-off is over.
+    ClaimAgain,
+    /// Wait for a commit to claim (a notification or the poll interval).
+    AwaitWork,
+    /// Shut down, or the settling half is gone.
+    Stop,
+}
+
+/// The claiming half's pace: its back-off after failures, and when the gauges and retention
+/// last ran.
+struct ClaimPace {
+    backoff: Backoff,
+    maintained: Option<Instant>,
+}
+
 /// Exchanges found missing at run time, each warned about at most once per back-off period
 /// (the rows' retry delays, doubling), not once per message or batch.
 struct MissingExchanges {
@@ -571,8 +588,10 @@ impl Relay {
         let shutdown = shutdown.fuse();
         let mut shutdown = std::pin::pin!(shutdown);
         let window = Arc::new(Semaphore::new(c.window));
-        let backoff = Backoff::new(c.reconnect_initial_delay, c.reconnect_max_delay);
-        let mut maintained = None::<Instant>;
+        let mut pace = ClaimPace {
+            backoff: Backoff::new(c.reconnect_initial_delay, c.reconnect_max_delay),
+            maintained: None,
+        };
         loop {
             let place = tokio::select! {
                 biased;
@@ -594,54 +613,13 @@ impl Relay {
                 Some(why) => Ok(Claimed::BrokerDown(why)),
                 None => self.claim_and_publish(link, place).await,
             };
-            match claimed {
-                Ok(Claimed::Batch(batch)) => {
-                    backoff.succeeded();
-                    let full = batch.rows.len() == c.batch_size;
-                    if hand_over.send(batch).is_err() {
-                        break; // the settling half is gone: nothing could be marked
-                    }
-                    // Also under a steady backlog: the gauges and retention keep their pace.
-                    self.maintain_if_due(&mut maintained).await;
-                    if full {
-                        continue; // more is waiting
-                    }
-                    // The backlog is drained: before claiming again, let what is in flight be
-                    // settled. Under a steady stream of small commits the next claim then takes
-                    // all that arrived meanwhile, one batch instead of one per commit; at idle
-                    // nothing is in flight and a commit is claimed at once.
-                    let all = u32::try_from(c.window).unwrap_or(u32::MAX);
-                    tokio::select! {
-                        biased;
-                        () = &mut shutdown => break,
-                        _ = window.acquire_many(all) => {}
-                    }
-                }
-                Ok(Claimed::Nothing) => {
-                    backoff.succeeded();
-                    self.maintain_if_due(&mut maintained).await;
-                }
-                Ok(Claimed::BrokerDown(why)) => {
-                    // Rows were not claimed, or were released: wait before trying again. The
-                    // gauges go on, so the outbox age alert sees the outage.
-                    self.maintain_if_due(&mut maintained).await;
-                    let delay = backoff.failed();
-                    tracing::warn!(error = %why, retry_in = ?delay, relay = %c.name, "broker unavailable to the outbox relay");
-                    tokio::select! {
-                        biased;
-                        () = &mut shutdown => break,
-                        () = tokio::time::sleep(delay) => continue,
-                    }
-                }
-                Err(e) => {
-                    let delay = backoff.failed();
-                    tracing::warn!(error = %e, retry_in = ?delay, relay = %c.name, "outbox claim failed");
-                    tokio::select! {
-                        biased;
-                        () = &mut shutdown => break,
-                        () = tokio::time::sleep(delay) => continue,
-                    }
-                }
+            let next = self
+                .after_claim(claimed, &hand_over, &window, &mut pace, &mut shutdown)
+                .await;
+            match next {
+                AfterClaim::ClaimAgain => continue,
+                AfterClaim::Stop => break,
+                AfterClaim::AwaitWork => {}
             }
             tokio::select! {
                 biased;
@@ -649,6 +627,66 @@ impl Relay {
                 () = feedback.claimable.notified() => {}
                 () = wakeups.wait(c.poll_interval) => {}
             }
+        }
+    }
+
+    /// Hands a claimed batch over to the settling half, or waits out a failure; keeps the
+    /// gauges and retention going either way. Says what the claiming half does next.
+    async fn after_claim(
+        &self,
+        claimed: Result<Claimed, StoreError>,
+        hand_over: &mpsc::UnboundedSender<InFlight>,
+        window: &Semaphore,
+        pace: &mut ClaimPace,
+        shutdown: &mut (impl futures::future::FusedFuture<Output = ()> + Unpin),
+    ) -> AfterClaim {
+        let c = &self.config;
+        let delay = match claimed {
+            Ok(Claimed::Batch(batch)) => {
+                pace.backoff.succeeded();
+                let full = batch.rows.len() == c.batch_size;
+                if hand_over.send(batch).is_err() {
+                    return AfterClaim::Stop; // the settling half is gone: nothing could be marked
+                }
+                // Also under a steady backlog: the gauges and retention keep their pace.
+                self.maintain_if_due(&mut pace.maintained).await;
+                if full {
+                    return AfterClaim::ClaimAgain; // more is waiting
+                }
+                // The backlog is drained: before claiming again, let what is in flight be
+                // settled. Under a steady stream of small commits the next claim then takes
+                // all that arrived meanwhile, one batch instead of one per commit; at idle
+                // nothing is in flight and a commit is claimed at once.
+                let all = u32::try_from(c.window).unwrap_or(u32::MAX);
+                return tokio::select! {
+                    biased;
+                    () = &mut *shutdown => AfterClaim::Stop,
+                    _ = window.acquire_many(all) => AfterClaim::AwaitWork,
+                };
+            }
+            Ok(Claimed::Nothing) => {
+                pace.backoff.succeeded();
+                self.maintain_if_due(&mut pace.maintained).await;
+                return AfterClaim::AwaitWork;
+            }
+            Ok(Claimed::BrokerDown(why)) => {
+                // Rows were not claimed, or were released: wait before trying again. The
+                // gauges go on, so the outbox age alert sees the outage.
+                self.maintain_if_due(&mut pace.maintained).await;
+                let delay = pace.backoff.failed();
+                tracing::warn!(error = %why, retry_in = ?delay, relay = %c.name, "broker unavailable to the outbox relay");
+                delay
+            }
+            Err(e) => {
+                let delay = pace.backoff.failed();
+                tracing::warn!(error = %e, retry_in = ?delay, relay = %c.name, "outbox claim failed");
+                delay
+            }
+        };
+        tokio::select! {
+            biased;
+            () = &mut *shutdown => AfterClaim::Stop,
+            () = tokio::time::sleep(delay) => AfterClaim::ClaimAgain,
         }
     }
 

@@ -185,7 +185,15 @@ pub fn duplicate_reason(outcome: &Outcome, envelope: &Envelope) -> &'static str 
 /// exporters that show them). Call after installing the recorder; the consumer calls it when
 /// it starts.
 pub fn describe() {
-    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    describe_consumer_counters();
+    describe_consumer_timings();
+    describe_inbox_gauges();
+    describe_outbox();
+}
+
+/// The consumer's counters.
+fn describe_consumer_counters() {
+    use metrics::describe_counter;
     describe_counter!(RECEIVED, "Deliveries received");
     describe_counter!(OUTCOMES, "Durable outcomes of deliveries");
     describe_counter!(
@@ -210,6 +218,15 @@ pub fn describe() {
         REPEATED_SESSION_LOSSES,
         "Lost broker sessions that repeated the previous loss's error or unsettled delivery"
     );
+    describe_counter!(
+        LEASES_LOST,
+        "Leased work that lost its lease before it could commit"
+    );
+}
+
+/// The consumer's histograms: durations, ages, attempts.
+fn describe_consumer_timings() {
+    use metrics::describe_histogram;
     describe_histogram!(
         DELIVERY_TO_SETTLE,
         Unit::Seconds,
@@ -236,6 +253,11 @@ pub fn describe() {
         Unit::Seconds,
         "End of a batch's last commit to its settlement"
     );
+}
+
+/// The inbox gauges the consumer samples, and the sampler's errors.
+fn describe_inbox_gauges() {
+    use metrics::{describe_counter, describe_gauge};
     describe_gauge!(
         OLDEST_UNPROCESSED_AGE,
         Unit::Seconds,
@@ -258,10 +280,11 @@ pub fn describe() {
         "Retained PROCESSED history beyond the replay window"
     );
     describe_counter!(SAMPLER_ERRORS, "Failed sampler queries");
-    describe_counter!(
-        LEASES_LOST,
-        "Leased work that lost its lease before it could commit"
-    );
+}
+
+/// The outbox relay's metrics.
+fn describe_outbox() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
     describe_gauge!(OUTBOX_PENDING, "Outbox rows not yet published");
     describe_gauge!(OUTBOX_FAILED, "Outbox rows given up after max_attempts");
     describe_gauge!(
