@@ -275,7 +275,13 @@ async fn retries_go_through_the_tier_of_their_attempt(queue_type: QueueType) {
     let row = env.record("svc", "m1").await.expect("row");
     let stats = consumer.stop().await;
 
-    assert_eq!(seen, [0, 1], "waited in tier 1, then in tier 2");
+    // Tier 1, then tier 2. A copy that found the row's copy lock still held by another
+    // session goes round the first tier once more (`InFlightElsewhere`, see below), so on a
+    // loaded machine tier 1 may follow; never tier 2 twice or before tier 1.
+    assert!(
+        seen.starts_with(&[0, 1]) && seen[2..].iter().all(|&tier| tier == 0),
+        "waited in tier 1, then in tier 2: {seen:?}"
+    );
     assert_eq!(row.processing_attempt, 3);
     let first = row.first_failed_at.expect("failed once");
     let second = row.last_failed_at.expect("failed twice");
