@@ -10,10 +10,15 @@ use axum::{
 };
 use chrono::{DateTime, Utc};
 use inbox_ops::{
-    Actor, CleanupReport, CleanupRequest, DoctorReport, DoctorRequest, FailureGroup, ListFilter,
-    ListPage, MAX_REDRIVE_RATE, MIN_REDRIVE_RATE, NoProgress, RecoverRequest, RecoveryPolicy,
-    RecoveryReport, RedriveReport, RedriveRequest, Reopened, ShowQuery, ShowReport, StatusQuery,
-    StatusReport,
+    Actor, NoProgress,
+    doctor::{DoctorReport, DoctorRequest},
+    inspect::{
+        FailureGroup, ListFilter, ListPage, ShowQuery, ShowReport, StatusQuery, StatusReport,
+    },
+    recover::{RecoverRequest, RecoveryPolicy, RecoveryReport},
+    redrive::{MAX_REDRIVE_RATE, MIN_REDRIVE_RATE, RedriveReport, RedriveRequest},
+    reopen::Reopened,
+    retention::{CleanupReport, CleanupRequest},
 };
 use rabbit_inbox::{
     InboxStatus, PayloadStorage, broker::Broker, broker::ParkingLot, retention::RetentionPolicy,
@@ -721,8 +726,8 @@ fn ledger_only(mut report: DoctorReport) -> DoctorReport {
                         can make a browser send a plain GET, and that never starts broker work";
     for check in &mut report.checks {
         let what = match check.id {
-            inbox_ops::check_ids::TOPOLOGY => "broker topology",
-            inbox_ops::check_ids::PARKING_LOT_READ => "parking lot",
+            inbox_ops::doctor::check_ids::TOPOLOGY => "broker topology",
+            inbox_ops::doctor::check_ids::PARKING_LOT_READ => "parking lot",
             _ => continue,
         };
         check.summary = format!("{what} not checked: a GET without a token checks the ledger only");

@@ -19,8 +19,13 @@ use axum::{
 };
 use chrono::{DateTime, Utc};
 use inbox_ops::{
-    ActivityQuery, ActivityReport, AlertQuery, AuditEntry, AuditFilter, LedgerAlert, Progress,
-    RedriveReport, ReplayEditedReport, ReplayEditedRequest, Timeline, WorkQueue,
+    Progress,
+    activity::{ActivityQuery, ActivityReport},
+    alerts::{AlertQuery, LedgerAlert},
+    audit::{AuditEntry, AuditFilter},
+    history::Timeline,
+    redrive::RedriveReport,
+    replay::{ReplayEditedReport, ReplayEditedRequest, WorkQueue},
 };
 use rabbit_inbox::broker::Broker;
 use serde::{Deserialize, Serialize};

@@ -19,7 +19,7 @@ use std::{
 
 use axum::{Json, extract::State};
 use chrono::{DateTime, Utc};
-use inbox_ops::{ManagementClient, QueueCounts};
+use inbox_ops::management::{ManagementClient, QueueCounts};
 use rabbit_inbox::{RetryPolicy, Topology, broker::Broker};
 use serde::{Deserialize, Serialize};
 use utoipa::IntoParams;

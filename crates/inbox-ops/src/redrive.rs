@@ -62,9 +62,12 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use sqlx::{AssertSqlSafe, Row};
 
-use super::{
-    Actor, Operations, OpsError, Progress,
+use crate::{
+    actor::Actor,
     audit::audit,
+    error::OpsError,
+    operations::Operations,
+    progress::Progress,
     reopen::{FORCED_REPLAY, reopen_row},
 };
 use rabbit_inbox::{
