@@ -184,7 +184,7 @@ pub struct RedriveRequest {
     pub message_ids: Vec<String>,
     /// The id of the job this run is (a console's background job): written as `job` into the
     /// details of every audit row the run writes, so that exactly its rows can be found
-    /// ([`crate::AuditFilter::job`]) however many runs one actor has going.
+    /// ([`crate::audit::AuditFilter::job`]) however many runs one actor has going.
     pub job: Option<String>,
 }
 
