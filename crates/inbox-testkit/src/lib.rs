@@ -4,8 +4,10 @@
 //! Tests talk to real servers; isolation comes from unique names ([`unique_suffix`]), not from
 //! fresh servers. [`mod@env`] holds a scratch inbox (its own schema and queues, removed when
 //! dropped) with test handlers, for the library's and the operator crate's tests.
+//! [`layering`] checks that a crate's modules import only the layers below them.
 
 pub mod env;
+pub mod layering;
 
 use std::{
     hash::{BuildHasher, RandomState},
