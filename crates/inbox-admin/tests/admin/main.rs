@@ -9,5 +9,6 @@ mod console;
 mod console_api;
 mod dashboard;
 mod exposure;
+mod layering;
 mod prometheus;
 mod util;
