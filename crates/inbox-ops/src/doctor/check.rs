@@ -67,7 +67,7 @@ impl Area {
 /// One checked item.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Check {
-    /// Stable identifier (`schema.primary_key`, see [`check_ids`]).
+    /// Stable identifier (`schema.primary_key`, see [`check_ids`](super::check_ids)).
     pub id: &'static str,
     /// Area.
     pub area: Area,
