@@ -8,94 +8,32 @@ use axum::{
     Extension, Json,
     extract::{ConnectInfo, State},
 };
-use chrono::{DateTime, Utc};
 use inbox_ops::{
-    Actor, CleanupReport, CleanupRequest, DoctorReport, DoctorRequest, FailureGroup, ListFilter,
-    ListPage, MAX_REDRIVE_RATE, MIN_REDRIVE_RATE, NoProgress, RecoverRequest, RecoveryPolicy,
-    RecoveryReport, RedriveReport, RedriveRequest, Reopened, ShowQuery, ShowReport, StatusQuery,
-    StatusReport,
+    Actor, NoProgress,
+    doctor::{DoctorReport, DoctorRequest},
+    inspect::{
+        FailureGroup, ListFilter, ListPage, ShowQuery, ShowReport, StatusQuery, StatusReport,
+    },
+    recover::{RecoverRequest, RecoveryPolicy, RecoveryReport},
+    redrive::RedriveReport,
+    reopen::Reopened,
+    retention::{CleanupReport, CleanupRequest},
 };
-use rabbit_inbox::{
-    InboxStatus, PayloadStorage, broker::Broker, broker::ParkingLot, retention::RetentionPolicy,
-};
+use rabbit_inbox::{InboxStatus, PayloadStorage, broker::Broker, retention::RetentionPolicy};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use crate::{
-    AdminState, BROKER_TIMEOUT, Server,
-    auth::{Caller, Scope},
+    auth::Caller,
     error::{ApiError, Body, Params, Segments, storable},
+    redrive_body::RedriveBody,
+    request::{actor, duration, given, instant, parking_lot, required_parking_lot, sees_payloads},
+    server::Server,
+    state::{AdminState, BROKER_TIMEOUT},
 };
-
-/// Longest duration accepted in a request: a century. Longer ones overflow date arithmetic,
-/// and no retention or grace period is meant to be that long.
-const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// Most rows one recovery request may take.
 const MAX_RECOVER_LIMIT: usize = 10_000;
-
-/// A duration in humantime form (`90s`, `5m`, `2h`, `30days`), at most a century.
-pub(crate) fn duration(name: &str, text: &str) -> Result<Duration, ApiError> {
-    let d = humantime::parse_duration(text)
-        .map_err(|e| ApiError::bad_request(format!("invalid {name} {text:?}: {e}")))?;
-    if d > MAX_DURATION {
-        return Err(ApiError::bad_request(format!(
-            "{name} {text:?} is longer than a century"
-        )));
-    }
-    Ok(d)
-}
-
-/// A point in time: RFC 3339, or a duration meaning that long ago (`2h`).
-pub(crate) fn instant(name: &str, text: &str) -> Result<DateTime<Utc>, ApiError> {
-    if let Ok(t) = DateTime::parse_from_rfc3339(text) {
-        return Ok(t.with_timezone(&Utc));
-    }
-    let ago = humantime::parse_duration(text).map_err(|_| {
-        ApiError::bad_request(format!(
-            "invalid {name} {text:?}: expected RFC 3339 or a duration ago such as 2h"
-        ))
-    })?;
-    if ago > MAX_DURATION {
-        return Err(ApiError::bad_request(format!(
-            "{name} {text:?} is too far back"
-        )));
-    }
-    chrono::Duration::from_std(ago)
-        .ok()
-        .and_then(|ago| Utc::now().checked_sub_signed(ago))
-        .ok_or_else(|| ApiError::bad_request(format!("{name} {text:?} is too far back")))
-}
-
-/// Blank query parameters count as absent (a form's empty field).
-pub(crate) fn given(value: &Option<String>) -> Option<&str> {
-    value.as_deref().map(str::trim).filter(|v| !v.is_empty())
-}
-
-pub(crate) async fn parking_lot(state: &AdminState) -> Result<Option<ParkingLot>, ApiError> {
-    let Some((topology, _)) = &state.queues else {
-        return Ok(None);
-    };
-    let connect = ParkingLot::connect(&state.amqp_url, &topology.queue, &topology.parking_queue);
-    match tokio::time::timeout(BROKER_TIMEOUT, connect).await {
-        Ok(Ok(lot)) => Ok(Some(lot)),
-        Ok(Err(e)) => Err(ApiError::broker(&e)),
-        Err(_) => Err(ApiError::broker(&"no answer within the timeout")),
-    }
-}
-
-pub(crate) fn actor(
-    caller: &Caller,
-    reason: &str,
-    ticket: Option<&str>,
-) -> Result<Actor, ApiError> {
-    if reason.trim().is_empty() {
-        return Err(ApiError::bad_request(
-            "a reason is required: it is written to the audit trail",
-        ));
-    }
-    Ok(Actor::new(&caller.name, reason)?.with_ticket(ticket.unwrap_or_default())?)
-}
 
 /// Query of `GET /api/v1/status`.
 #[derive(Debug, Deserialize, IntoParams)]
@@ -214,11 +152,6 @@ pub(crate) async fn list(
         limit: p.limit.unwrap_or(ListFilter::default().limit),
     };
     Ok(Json(state.ops.list(&filter).await?))
-}
-
-/// The caller may see payloads, headers and error texts.
-pub(crate) fn sees_payloads(caller: Option<&Caller>) -> bool {
-    caller.is_some_and(|c| c.scope >= Scope::ReadPayload)
 }
 
 /// `GET /api/v1/messages/{consumer}/{message_id}`: the report, and whether its contents were
@@ -452,120 +385,6 @@ pub(crate) async fn cleanup_dry_run(
     Ok(Json(state.ops.cleanup(&request, &NoProgress).await?))
 }
 
-/// Body of `POST /api/v1/redrive` and `POST /api/v1/discard`.
-#[derive(Debug, Deserialize, ToSchema)]
-pub(crate) struct RedriveBody {
-    /// Why (written to the audit trail).
-    pub(crate) reason: String,
-    /// Ticket to cite beside the reason.
-    pub(crate) ticket: Option<String>,
-    /// Classify and count only; nothing moves.
-    #[serde(default)]
-    pub(crate) dry_run: bool,
-    /// Only copies parked by this consumer.
-    consumer: Option<String>,
-    /// Only this message type.
-    #[serde(rename = "type")]
-    #[schema(rename = "type")]
-    message_type: Option<String>,
-    /// Only this error code.
-    error_code: Option<String>,
-    /// Only these message ids (a search result's); empty or absent: any.
-    #[serde(default)]
-    message_ids: Vec<String>,
-    /// Only copies parked at or after (RFC 3339, or a duration ago such as `2h`).
-    since: Option<String>,
-    /// Only copies parked before.
-    until: Option<String>,
-    /// At most this many moves per second, 0.001 to 100000.
-    rate_per_sec: Option<f64>,
-    /// At most this many copies moved.
-    limit: Option<u64>,
-    /// Also replay copies whose row retention removed, and copies the inbox does not know
-    /// (audited as forced). Redrive only.
-    #[serde(default)]
-    force: bool,
-    /// Remove copies whose row is PROCESSED instead of leaving them. Redrive only.
-    #[serde(default)]
-    drop_processed: bool,
-}
-
-/// Most message ids one bulk request may name.
-const MAX_MESSAGE_IDS: usize = 1000;
-
-impl RedriveBody {
-    /// The operation's request: a redrive, or with `discard` a removal of parked copies.
-    pub(crate) fn request(&self, discard: bool) -> Result<RedriveRequest, ApiError> {
-        if let Some(rate) = self.rate_per_sec
-            && !(MIN_REDRIVE_RATE..=MAX_REDRIVE_RATE).contains(&rate)
-        {
-            return Err(ApiError::bad_request(format!(
-                "rate_per_sec must be from {MIN_REDRIVE_RATE} to {MAX_REDRIVE_RATE}"
-            )));
-        }
-        if self.limit == Some(0) {
-            return Err(ApiError::bad_request("limit must be at least 1"));
-        }
-        if discard && (self.force || self.drop_processed) {
-            return Err(ApiError::bad_request(
-                "force and drop_processed are redrive options; a discard removes parked \
-                 copies of parked rows only",
-            ));
-        }
-        if self.message_ids.len() > MAX_MESSAGE_IDS {
-            return Err(ApiError::bad_request(format!(
-                "at most {MAX_MESSAGE_IDS} message ids per request"
-            )));
-        }
-        for (name, value) in [
-            ("consumer", &self.consumer),
-            ("type", &self.message_type),
-            ("error_code", &self.error_code),
-        ] {
-            storable(name, value.as_deref().unwrap_or_default())?;
-        }
-        for id in &self.message_ids {
-            storable("message_ids", id)?;
-        }
-        Ok(RedriveRequest {
-            dry_run: self.dry_run,
-            consumer: given(&self.consumer).map(str::to_owned),
-            message_type: given(&self.message_type).map(str::to_owned),
-            error_code: given(&self.error_code).map(str::to_owned),
-            message_ids: self
-                .message_ids
-                .iter()
-                .map(|id| id.trim())
-                .filter(|id| !id.is_empty())
-                .map(str::to_owned)
-                .collect(),
-            since: given(&self.since)
-                .map(|s| instant("since", s))
-                .transpose()?,
-            until: given(&self.until)
-                .map(|s| instant("until", s))
-                .transpose()?,
-            rate_per_sec: self.rate_per_sec,
-            limit: self.limit,
-            force: self.force,
-            drop_processed: self.drop_processed,
-            discard,
-            job: None,
-        })
-    }
-}
-
-/// The parking lot an action walks, or 409 when the server does not know the consumer's
-/// queues.
-pub(crate) async fn required_parking_lot(state: &AdminState) -> Result<ParkingLot, ApiError> {
-    parking_lot(state).await?.ok_or_else(|| {
-        ApiError::new(
-            axum::http::StatusCode::CONFLICT,
-            "this action reads the parking lot: start the server with --queue",
-        )
-    })
-}
-
 /// Moves parked messages back to the work queue after a fix, each classified against its
 /// inbox row first; with `dry_run` only counts what would happen. Every move is audited with
 /// the token's name and the reason.
@@ -721,8 +540,8 @@ fn ledger_only(mut report: DoctorReport) -> DoctorReport {
                         can make a browser send a plain GET, and that never starts broker work";
     for check in &mut report.checks {
         let what = match check.id {
-            inbox_ops::check_ids::TOPOLOGY => "broker topology",
-            inbox_ops::check_ids::PARKING_LOT_READ => "parking lot",
+            inbox_ops::doctor::check_ids::TOPOLOGY => "broker topology",
+            inbox_ops::doctor::check_ids::PARKING_LOT_READ => "parking lot",
             _ => continue,
         };
         check.summary = format!("{what} not checked: a GET without a token checks the ledger only");

@@ -1,15 +1,9 @@
 //! The endpoints behind the console's views: per-minute activity for the charts, alerts, a
 //! message's timeline, the audit trail, bulk actions run in the background with progress, and
-//! edit-and-replay. Like [`crate::api`], each handler parses its request and calls
+//! edit-and-replay. Like the API's own endpoints, each handler parses its request and calls
 //! [`Operations`](inbox_ops::Operations); the rules live in the operations.
 
-use std::{
-    collections::{BTreeMap, VecDeque},
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
-    },
-};
+use std::{collections::BTreeMap, sync::Arc};
 
 use axum::{
     Extension, Json,
@@ -17,24 +11,26 @@ use axum::{
     http::StatusCode,
     response::{IntoResponse, Response},
 };
-use chrono::{DateTime, Utc};
 use inbox_ops::{
-    ActivityQuery, ActivityReport, AlertQuery, AuditEntry, AuditFilter, LedgerAlert, Progress,
-    RedriveReport, ReplayEditedReport, ReplayEditedRequest, Timeline, WorkQueue,
+    activity::{ActivityQuery, ActivityReport},
+    alerts::{AlertQuery, LedgerAlert},
+    audit::{AuditEntry, AuditFilter},
+    history::Timeline,
+    replay::{ReplayEditedReport, ReplayEditedRequest, WorkQueue},
 };
 use rabbit_inbox::broker::Broker;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use crate::{
-    BROKER_TIMEOUT, Server,
-    api::{
-        RedriveBody, actor, duration, given, instant, parking_lot, required_parking_lot,
-        sees_payloads,
-    },
     auth::Caller,
     error::{ApiError, Body, Params, Segments, spawn_for_request},
+    jobs::{Job, JobAction, JobView},
     prometheus::RuleAlert,
+    redrive_body::RedriveBody,
+    request::{actor, duration, given, instant, parking_lot, required_parking_lot, sees_payloads},
+    server::Server,
+    state::BROKER_TIMEOUT,
 };
 
 /// Query of `GET /api/v1/activity`.
@@ -322,16 +318,6 @@ pub(crate) async fn audit(
     Ok(Json(state.ops.audit_trail(&filter).await?))
 }
 
-/// A bulk action.
-#[derive(Clone, Copy, Debug, Deserialize, Serialize, ToSchema, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub(crate) enum JobAction {
-    /// Move parked copies back to the work queue.
-    Redrive,
-    /// Remove parked copies of parked rows (rows kept).
-    Discard,
-}
-
 /// Body of `POST /api/v1/jobs`: the action and the same fields as `POST /api/v1/redrive`
 /// (`dry_run` must be false: a preview is answered at once by the action's own endpoint).
 #[derive(Debug, Deserialize, ToSchema)]
@@ -339,113 +325,6 @@ pub(crate) struct JobBody {
     action: JobAction,
     #[serde(flatten)]
     body: RedriveBody,
-}
-
-/// When a job finished, and its report or why it failed.
-type JobOutcome = (DateTime<Utc>, Result<RedriveReport, String>);
-
-/// A bulk action running (or run) in the background.
-pub(crate) struct Job {
-    id: String,
-    action: JobAction,
-    actor: String,
-    started_at: DateTime<Utc>,
-    total: AtomicU64,
-    done: AtomicU64,
-    outcome: Mutex<Option<JobOutcome>>,
-}
-
-impl Progress for Job {
-    fn set_total(&self, total: u64) {
-        self.total.store(total, Ordering::Relaxed);
-    }
-
-    fn advance(&self, n: u64) {
-        self.done.fetch_add(n, Ordering::Relaxed);
-    }
-}
-
-/// How a job looks to the caller.
-#[derive(Debug, Serialize, ToSchema)]
-pub(crate) struct JobView {
-    id: String,
-    action: JobAction,
-    /// The token's name the actions are audited under.
-    actor: String,
-    /// `running`, `done` or `failed`.
-    state: &'static str,
-    /// Parked copies to examine (known once the walk starts), and how many are done.
-    total: u64,
-    done: u64,
-    started_at: DateTime<Utc>,
-    finished_at: Option<DateTime<Utc>>,
-    /// The action's report, once done.
-    #[schema(value_type = Option<Object>)]
-    report: Option<RedriveReport>,
-    /// Why it failed.
-    error: Option<String>,
-}
-
-impl Job {
-    fn view(&self) -> JobView {
-        let outcome = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
-        let (state, finished_at, report, error) = match &*outcome {
-            None => ("running", None, None, None),
-            Some((at, Ok(report))) => ("done", Some(*at), Some(report.clone()), None),
-            Some((at, Err(why))) => ("failed", Some(*at), None, Some(why.clone())),
-        };
-        JobView {
-            id: self.id.clone(),
-            action: self.action,
-            actor: self.actor.clone(),
-            state,
-            total: self.total.load(Ordering::Relaxed),
-            done: self.done.load(Ordering::Relaxed),
-            started_at: self.started_at,
-            finished_at,
-            report,
-            error,
-        }
-    }
-}
-
-/// The server's recent jobs: the running ones and the last finished ones.
-#[derive(Default)]
-pub(crate) struct Jobs(Mutex<VecDeque<Arc<Job>>>);
-
-/// Most jobs kept; the oldest finished one goes first.
-const KEPT_JOBS: usize = 100;
-
-impl Jobs {
-    fn add(&self, job: Arc<Job>) -> Result<(), ApiError> {
-        let mut jobs = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if jobs.len() >= KEPT_JOBS {
-            let finished = jobs.iter().position(|j| {
-                j.outcome
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .is_some()
-            });
-            match finished {
-                Some(i) => {
-                    jobs.remove(i);
-                }
-                None => {
-                    return Err(ApiError::too_many(
-                        format!("{KEPT_JOBS} jobs are running; wait for one to finish"),
-                        5,
-                    ));
-                }
-            }
-        }
-        jobs.push_back(job);
-        Ok(())
-    }
-
-    fn get(&self, id: &str) -> Option<Arc<Job>> {
-        let jobs = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        jobs.iter().find(|j| j.id == id).cloned()
-    }
 }
 
 /// Starts a redrive or discard in the background and answers at once (202) with the job to
@@ -473,15 +352,7 @@ pub(crate) async fn start_job(
     let id = uuid::Uuid::new_v4().simple().to_string();
     request.job = Some(id.clone());
     let lot = required_parking_lot(&state).await?;
-    let running = Arc::new(Job {
-        id,
-        action: job.action,
-        actor: caller.name.clone(),
-        started_at: Utc::now(),
-        total: AtomicU64::new(0),
-        done: AtomicU64::new(0),
-        outcome: Mutex::new(None),
-    });
+    let running = Arc::new(Job::start(id, job.action, caller.name.clone()));
     state.jobs.add(running.clone())?;
     let view = running.view();
     let server = state.clone();
@@ -507,7 +378,7 @@ pub(crate) async fn start_job(
                 Err("the job stopped unexpectedly; the server's log has why".to_owned())
             }
         };
-        *running.outcome.lock().unwrap_or_else(|e| e.into_inner()) = Some((Utc::now(), outcome));
+        running.finish(outcome);
     });
     Ok((StatusCode::ACCEPTED, Json(view)).into_response())
 }

@@ -8,13 +8,10 @@
 //! segment, named in the answer. A database failure because the server's schema holds no inbox
 //! is answered as such ([`no_inbox`]), naming the schema and how to create the inbox.
 
-use std::sync::Arc;
-
 use axum::{
     Json,
     extract::{
-        FromRequest, FromRequestParts, Query, RawPathParams, Request, State,
-        rejection::JsonRejection,
+        FromRequest, FromRequestParts, Query, RawPathParams, Request, rejection::JsonRejection,
     },
     http::{HeaderName, HeaderValue, StatusCode, header, request::Parts},
     middleware::Next,
@@ -65,13 +62,13 @@ pub struct ApiError {
     status: StatusCode,
     message: String,
     retry_after_secs: Option<u64>,
-    /// PostgreSQL refused a statement: [`no_inbox`] looks whether the schema is there.
+    /// PostgreSQL refused a statement: [`no_inbox`](crate::missing_inbox::no_inbox) looks whether the schema is there.
     database: bool,
 }
 
 /// Marks a response to a request that PostgreSQL refused a statement of.
 #[derive(Clone, Copy, Debug)]
-struct DatabaseRefused;
+pub(crate) struct DatabaseRefused;
 
 impl ApiError {
     /// A response with `status` and `message`.
@@ -189,24 +186,6 @@ impl IntoResponse for ApiError {
             response.extensions_mut().insert(DatabaseRefused);
         }
         response
-    }
-}
-
-/// Middleware: a request PostgreSQL refused a statement of is answered "no inbox in schema
-/// ..." when the server's schema holds no inbox (checked only then: the answers that succeed
-/// cost nothing more), instead of the generic database failure.
-pub(crate) async fn no_inbox(
-    State(server): State<Arc<crate::Server>>,
-    request: Request,
-    next: Next,
-) -> Response {
-    let response = next.run(request).await;
-    if response.extensions().get::<DatabaseRefused>().is_none() {
-        return response;
-    }
-    match server.ops.inbox_exists().await {
-        Ok(false) => ApiError::no_inbox(server.ops.schema().as_str()).into_response(),
-        _ => response,
     }
 }
 

@@ -5,10 +5,7 @@
 //! `readiness_interval` (one query and one short broker connection per check), never from a
 //! check of its own: however often it is called, and unauthenticated, it opens no connection.
 
-use std::{
-    sync::{Arc, RwLock},
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
 use axum::{
     Json,
@@ -16,96 +13,22 @@ use axum::{
     http::{StatusCode, header},
     response::{IntoResponse, Response},
 };
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use rabbit_inbox::broker::Broker;
 use serde::Serialize;
 
-use crate::{BROKER_TIMEOUT, Server, error::ApiError};
+use crate::{
+    error::ApiError,
+    readiness::{Check, Snapshot},
+    server::Server,
+    state::BROKER_TIMEOUT,
+};
 
 /// The process is up. Needs no token.
 #[utoipa::path(get, path = "/healthz", tag = "health",
     responses((status = 200, description = "the process answers")))]
 pub(crate) async fn healthz() -> &'static str {
     "ok\n"
-}
-
-/// One dependency's last check. The error is generic; its text is in the server's log.
-#[derive(Clone, Debug, Serialize)]
-struct Check {
-    ok: bool,
-    error: Option<&'static str>,
-}
-
-impl Check {
-    fn of<E: std::fmt::Display>(
-        what: &str,
-        result: Result<Result<(), E>, tokio::time::error::Elapsed>,
-    ) -> Self {
-        let error = match result {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "readiness: {what} is unreachable");
-                Some("unreachable")
-            }
-            Err(_) => {
-                tracing::warn!("readiness: {what} did not answer within {BROKER_TIMEOUT:?}");
-                Some("no answer in time")
-            }
-        };
-        Self {
-            ok: error.is_none(),
-            error,
-        }
-    }
-
-    const fn pending() -> Self {
-        Self {
-            ok: false,
-            error: Some("not checked yet"),
-        }
-    }
-}
-
-#[derive(Clone, Debug, Serialize)]
-struct Snapshot {
-    database: Check,
-    broker: Check,
-    /// When the checks ran.
-    checked_at: Option<DateTime<Utc>>,
-}
-
-/// The latest readiness check, shared between the background task and `/readyz`.
-#[derive(Debug)]
-pub(crate) struct Readiness {
-    latest: RwLock<Snapshot>,
-}
-
-impl Default for Readiness {
-    fn default() -> Self {
-        Self {
-            latest: RwLock::new(Snapshot {
-                database: Check::pending(),
-                broker: Check::pending(),
-                checked_at: None,
-            }),
-        }
-    }
-}
-
-impl Readiness {
-    fn latest(&self) -> Snapshot {
-        self.latest
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
-    }
-
-    fn set(&self, snapshot: Snapshot) {
-        *self
-            .latest
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = snapshot;
-    }
 }
 
 /// Checks PostgreSQL and RabbitMQ every `interval`, forever (the server aborts it).

@@ -28,7 +28,24 @@ use tokio::{net::TcpListener, sync::Semaphore};
 use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt as _;
 
-use crate::{ServeError, Tokens, host::AllowedHosts};
+use crate::{
+    auth::{TokenError, Tokens},
+    host::AllowedHosts,
+};
+
+/// Why the server stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The address may not be bound without tokens.
+    #[error(transparent)]
+    Tokens(#[from] TokenError),
+    /// The listening options are refused (TLS, allowed hosts, limits).
+    #[error("{0}")]
+    Config(String),
+    /// Listening or serving failed.
+    #[error("admin server: {0}")]
+    Io(#[from] std::io::Error),
+}
 
 /// A certificate chain and its private key, PEM files.
 #[derive(Clone, Debug)]

@@ -9,7 +9,7 @@ use std::{collections::HashMap, time::Duration};
 use chrono::{DateTime, Utc};
 use serde::Deserialize;
 
-use crate::BROKER_TIMEOUT;
+use crate::state::BROKER_TIMEOUT;
 
 /// The histogram behind the console's latency chart when the consumers' metrics are scraped:
 /// receipt to settlement of each delivery (handler, transaction and ack).

@@ -13,7 +13,7 @@ use std::{
 };
 
 use hdrhistogram::Histogram;
-use inbox_ops::{CleanupRequest, Operations, Progress};
+use inbox_ops::{Operations, Progress, retention::CleanupRequest};
 use rabbit_inbox::{
     Envelope, EnvelopeRules, RetryPolicy, SchemaName, envelope::AmqpMessage,
     retention::RetentionPolicy, store::InboxStore, store::Redelivery,

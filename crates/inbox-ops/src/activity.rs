@@ -14,7 +14,11 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::Row;
 
-use super::{Operations, OpsError, inspect::sql};
+use crate::{
+    error::OpsError,
+    operations::Operations,
+    sql::{consumers_of, sql},
+};
 
 /// What [`Operations::activity`] reports on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -136,30 +140,6 @@ pub struct ActivityReport {
     pub bucket_secs: u64,
     /// One series per consumer with any activity in the window or any open row, by name.
     pub consumers: Vec<ConsumerActivity>,
-}
-
-/// Common table expressions naming the consumers with rows in `table` (narrowed by `extra`,
-/// a condition followed by `AND`, or nothing) as `{name} (consumer_name)`: the one in the
-/// placeholder `consumer` if it is not NULL and has such rows, else every one, found by
-/// skipping through an index that leads with `consumer_name` (one probe per consumer,
-/// whatever the number of rows). The statement must be `WITH RECURSIVE`.
-pub(crate) fn consumers_of(name: &str, table: &str, extra: &str, consumer: &str) -> String {
-    format!(
-        "{name}_all (consumer_name) AS ( \
-           (SELECT consumer_name FROM {table} WHERE {extra} {consumer}::text IS NULL \
-             ORDER BY consumer_name LIMIT 1) \
-           UNION ALL \
-           SELECT (SELECT n.consumer_name FROM {table} n \
-                    WHERE {extra} n.consumer_name > c.consumer_name \
-                    ORDER BY n.consumer_name LIMIT 1) \
-           FROM {name}_all c WHERE c.consumer_name IS NOT NULL), \
-         {name} (consumer_name) AS ( \
-           SELECT consumer_name FROM {name}_all \
-             WHERE {consumer}::text IS NULL AND consumer_name IS NOT NULL \
-           UNION ALL \
-           SELECT {consumer}::text WHERE {consumer}::text IS NOT NULL \
-             AND EXISTS (SELECT FROM {table} WHERE {extra} consumer_name = {consumer}))"
-    )
 }
 
 impl Operations {
@@ -308,16 +288,6 @@ mod tests {
             window: Duration::from_secs(window),
             bucket: Duration::from_secs(bucket),
         }
-    }
-
-    /// The admin HTTP API runs these on a multi-threaded runtime: their futures must be
-    /// `Send` (this compiles only if they are).
-    #[allow(dead_code)]
-    fn the_console_reads_are_send(ops: &Operations) {
-        fn send<T: Send>(_: &T) {}
-        send(&ops.activity(&ActivityQuery::default()));
-        send(&ops.alerts(&crate::AlertQuery::default()));
-        send(&ops.timeline("c", "m", &[]));
     }
 
     #[test]

@@ -26,7 +26,11 @@ use std::{collections::BTreeMap, time::Duration};
 use serde::Serialize;
 use sqlx::Row;
 
-use super::{Operations, OpsError, activity::consumers_of, inspect::sql};
+use crate::{
+    error::OpsError,
+    operations::Operations,
+    sql::{consumers_of, sql},
+};
 use rabbit_inbox::retry::RetryPolicy;
 
 /// `InboxStaleProcessing`: PROCESSING rows past the stale threshold (warning).

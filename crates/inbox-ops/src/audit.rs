@@ -7,11 +7,12 @@
 //! action the caller's role has no writer for.
 
 use chrono::{DateTime, Utc};
+use serde::Serialize;
 use serde_json::Value;
-use sqlx::{AssertSqlSafe, PgConnection};
+use sqlx::{AssertSqlSafe, PgConnection, Row, postgres::PgRow};
 
-use super::{Actor, AuditEntry, Operations, OpsError};
-use rabbit_inbox::{roles::AuditWriter, schema::SchemaName};
+use crate::{actor::Actor, error::OpsError, operations::Operations, sql::sql};
+use rabbit_inbox::{error::StoreError, roles::AuditWriter, schema::SchemaName};
 
 /// Audit action of a stored payload read through the admin server (read or admin token).
 pub const PAYLOAD_READ: &str = "payload_read";
@@ -50,6 +51,32 @@ pub async fn audit(
     .await?)
 }
 
+/// One `inbox_audit` row.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AuditEntry {
+    /// Sequence number.
+    pub audit_id: i64,
+    /// When.
+    pub occurred_at: DateTime<Utc>,
+    /// Who.
+    pub actor: String,
+    /// What (`reopen`, `forced_replay`, `redrive`, ...).
+    pub action: String,
+    /// Consumer.
+    pub consumer_name: Option<String>,
+    /// Dedup key.
+    pub message_id: Option<String>,
+    /// Why.
+    pub reason: String,
+    /// Ticket.
+    pub ticket: Option<String>,
+    /// Specifics of the action.
+    pub details: serde_json::Value,
+    /// The database role of the session that wrote the row (set by the database, not by the
+    /// writer); `None` for rows written before the audit trail recorded it.
+    pub db_role: Option<String>,
+}
+
 /// Which entries [`Operations::audit_trail`] returns. Empty filters match everything.
 #[derive(Clone, Debug)]
 pub struct AuditFilter {
@@ -63,7 +90,7 @@ pub struct AuditFilter {
     pub since: Option<DateTime<Utc>>,
     /// Only the entries of this job: the rows whose details carry it as `job` (a console's
     /// background redrive or discard stamps its id on each row it writes,
-    /// [`crate::RedriveRequest::job`]).
+    /// [`crate::redrive::RedriveRequest::job`]).
     pub job: Option<String>,
     /// Most entries, 1 to 1000.
     pub limit: u32,
@@ -89,7 +116,7 @@ impl Operations {
         if !(1..=1000).contains(&filter.limit) {
             return Err(OpsError::Invalid("limit must be 1 to 1000".into()));
         }
-        sqlx::query(crate::inspect::sql(format!(
+        sqlx::query(sql(format!(
             "SELECT audit_id, occurred_at, actor, action, consumer_name, message_id, reason, \
                ticket, details, db_role FROM {} \
              WHERE ($1::text IS NULL OR actor = $1) AND ($2::text IS NULL OR action = $2) \
@@ -109,8 +136,23 @@ impl Operations {
         .fetch_all(&self.pool)
         .await?
         .iter()
-        .map(crate::inspect::audit_from_row)
+        .map(audit_from_row)
         .collect::<Result<_, _>>()
         .map_err(OpsError::from)
     }
+}
+
+pub(crate) fn audit_from_row(row: &PgRow) -> Result<AuditEntry, StoreError> {
+    Ok(AuditEntry {
+        audit_id: row.try_get("audit_id")?,
+        occurred_at: row.try_get("occurred_at")?,
+        actor: row.try_get("actor")?,
+        action: row.try_get("action")?,
+        consumer_name: row.try_get("consumer_name")?,
+        message_id: row.try_get("message_id")?,
+        reason: row.try_get("reason")?,
+        ticket: row.try_get("ticket")?,
+        details: row.try_get("details")?,
+        db_role: row.try_get("db_role")?,
+    })
 }

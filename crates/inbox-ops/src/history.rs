@@ -11,7 +11,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{Row, postgres::PgRow};
 
-use super::{Operations, OpsError, inspect::sql};
+use crate::{error::OpsError, operations::Operations, sql::sql};
 use rabbit_inbox::status::InboxStatus;
 
 /// One message's story for one consumer ([`Operations::timeline`]).

@@ -12,11 +12,14 @@ use std::time::Duration;
 use base64::Engine as _;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, Row, postgres::PgRow};
+use sqlx::{Row, postgres::PgRow};
 
-use super::{
-    Actor, Operations, OpsError,
-    audit::{PAYLOAD_READ, audit},
+use crate::{
+    actor::Actor,
+    audit::{AuditEntry, PAYLOAD_READ, audit, audit_from_row},
+    error::OpsError,
+    operations::Operations,
+    sql::{consumers_of, sql},
 };
 use rabbit_inbox::{
     broker::ParkingLot,
@@ -446,32 +449,6 @@ pub struct Tombstone {
     pub removed_at: DateTime<Utc>,
 }
 
-/// One `inbox_audit` row.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct AuditEntry {
-    /// Sequence number.
-    pub audit_id: i64,
-    /// When.
-    pub occurred_at: DateTime<Utc>,
-    /// Who.
-    pub actor: String,
-    /// What (`reopen`, `forced_replay`, `redrive`, ...).
-    pub action: String,
-    /// Consumer.
-    pub consumer_name: Option<String>,
-    /// Dedup key.
-    pub message_id: Option<String>,
-    /// Why.
-    pub reason: String,
-    /// Ticket.
-    pub ticket: Option<String>,
-    /// Specifics of the action.
-    pub details: serde_json::Value,
-    /// The database role of the session that wrote the row (set by the database, not by the
-    /// writer); `None` for rows written before the audit trail recorded it.
-    pub db_role: Option<String>,
-}
-
 /// What [`Operations::show`] returns.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ShowReport {
@@ -510,10 +487,6 @@ pub struct FailureGroup {
 
 fn status_of(row: &PgRow) -> Result<InboxStatus, OpsError> {
     Ok(row.try_get::<String, _>("status")?.parse()?)
-}
-
-pub(crate) fn sql(text: String) -> AssertSqlSafe<String> {
-    AssertSqlSafe(text)
 }
 
 impl Operations {
@@ -643,7 +616,7 @@ impl Operations {
              JOIN {t} i ON i.consumer_name = c.consumer_name AND i.message_id = x.message_id \
              GROUP BY 1, 2",
             e = self.schema.qualify("inbox_event"),
-            event_consumers = crate::activity::consumers_of(
+            event_consumers = consumers_of(
                 "event_consumers",
                 &self.schema.qualify("inbox_event"),
                 "",
@@ -1022,21 +995,6 @@ pub(super) fn tombstone_from_row(row: &PgRow) -> Result<Tombstone, StoreError> {
         first_received_at: row.try_get("first_received_at")?,
         processed_at: row.try_get("processed_at")?,
         removed_at: row.try_get("removed_at")?,
-    })
-}
-
-pub(crate) fn audit_from_row(row: &PgRow) -> Result<AuditEntry, StoreError> {
-    Ok(AuditEntry {
-        audit_id: row.try_get("audit_id")?,
-        occurred_at: row.try_get("occurred_at")?,
-        actor: row.try_get("actor")?,
-        action: row.try_get("action")?,
-        consumer_name: row.try_get("consumer_name")?,
-        message_id: row.try_get("message_id")?,
-        reason: row.try_get("reason")?,
-        ticket: row.try_get("ticket")?,
-        details: row.try_get("details")?,
-        db_role: row.try_get("db_role")?,
     })
 }
 

@@ -22,7 +22,13 @@ use serde::Serialize;
 use serde_json::json;
 use sqlx::{Connection, PgConnection, Row};
 
-use super::{Actor, NoProgress, Operations, OpsError, Progress};
+use crate::{
+    actor::Actor,
+    audit::audit,
+    error::OpsError,
+    operations::Operations,
+    progress::{NoProgress, Progress},
+};
 use rabbit_inbox::{
     broker::Broker,
     broker::OutgoingMessage,
@@ -596,7 +602,7 @@ impl Operations {
             InboxStatus::RetryableFailed => "recover_republish",
             _ => "recover_manual_review",
         };
-        super::audit(
+        audit(
             tx,
             &self.schema,
             actor,

@@ -61,10 +61,14 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use sqlx::{AssertSqlSafe, Row};
+use tokio::time::Interval;
 
-use super::{
-    Actor, Operations, OpsError, Progress,
+use crate::{
+    actor::Actor,
     audit::audit,
+    error::OpsError,
+    operations::Operations,
+    progress::Progress,
     reopen::{FORCED_REPLAY, reopen_row},
 };
 use rabbit_inbox::{
@@ -105,6 +109,30 @@ pub(crate) struct ParkedKeys {
     pub(crate) parked_copies: HashMap<(String, String), u64>,
     /// Copies read that were parked as payload conflicts, whatever their row's status.
     pub(crate) conflict_copies: u64,
+}
+
+impl ParkedKeys {
+    /// Notes one copy read, of the row `c` found for it (a copy without an inbox key is not
+    /// noted).
+    fn note(&mut self, parked: &ParkedMessage, c: &Classified) {
+        let (Some(consumer), Some(key)) = (&c.consumer, &c.key) else {
+            return;
+        };
+        self.keys.insert((consumer.clone(), key.clone()));
+        let conflict = parked.error_code() == Some(rabbit_inbox::status::PAYLOAD_CONFLICT);
+        if conflict {
+            self.conflict_copies += 1;
+        }
+        if c.class == ParkedClass::Processed && conflict {
+            self.processed_conflicts.push(key.clone());
+        }
+        if c.class == ParkedClass::Reopen && !conflict {
+            *self
+                .parked_copies
+                .entry((consumer.clone(), key.clone()))
+                .or_default() += 1;
+        }
+    }
 }
 
 /// The right to walk one parking lot of one schema: a session advisory lock keyed by both
@@ -148,6 +176,41 @@ pub(crate) const DOCTOR_LOT_PATIENCE: Duration = Duration::from_secs(30);
 /// Most entries in [`RedriveReport::findings`].
 const MAX_FINDINGS: usize = 1000;
 
+/// One walk over the parking lot: what it was asked, the copies it leaves (put back in their
+/// places when it ends) and what it found.
+struct Pass<'a> {
+    lot: &'a ParkingLot,
+    request: &'a RedriveRequest,
+    actor: Option<&'a Actor>,
+    progress: &'a dyn Progress,
+    /// Copies in the parking lot when the walk began: it reads no more than these.
+    depth: u32,
+    held: &'a mut Vec<ParkedMessage>,
+    report: &'a mut RedriveReport,
+    /// Where the inbox keys of the copies read go, for reconciliation.
+    seen: Option<&'a mut ParkedKeys>,
+}
+
+impl Pass<'_> {
+    /// Counts `action` on a copy of `c`'s class, and lists it among the findings unless it
+    /// moved (or would), at most [`MAX_FINDINGS`] of them.
+    fn record(&mut self, c: &Classified, action: ParkedAction) {
+        self.report.note(c.class, action);
+        if action != ParkedAction::Moved
+            && action != ParkedAction::WouldMove
+            && self.report.findings.len() < MAX_FINDINGS
+        {
+            self.report.findings.push(Finding {
+                message_id: c.key.clone(),
+                consumer: c.consumer.clone(),
+                class: c.class,
+                action,
+                detail: c.detail.clone(),
+            });
+        }
+    }
+}
+
 /// What a redrive does, and to which parked copies. Empty filters match everything.
 #[derive(Clone, Debug, Default)]
 pub struct RedriveRequest {
@@ -181,7 +244,7 @@ pub struct RedriveRequest {
     pub message_ids: Vec<String>,
     /// The id of the job this run is (a console's background job): written as `job` into the
     /// details of every audit row the run writes, so that exactly its rows can be found
-    /// ([`crate::AuditFilter::job`]) however many runs one actor has going.
+    /// ([`crate::audit::AuditFilter::job`]) however many runs one actor has going.
     pub job: Option<String>,
 }
 
@@ -632,16 +695,16 @@ impl Operations {
         };
         let mut held = Vec::new();
         let result = self
-            .redrive_pass(
+            .redrive_pass(Pass {
                 lot,
                 request,
                 actor,
                 progress,
                 depth,
-                &mut held,
-                &mut report,
+                held: &mut held,
+                report: &mut report,
                 seen,
-            )
+            })
             .await;
         // Back in their places, whatever happened; a copy not put back (broken channel) comes
         // back when the connection closes.
@@ -653,183 +716,203 @@ impl Operations {
         result.map(|()| report)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn redrive_pass(
-        &self,
-        lot: &ParkingLot,
-        request: &RedriveRequest,
-        actor: Option<&Actor>,
-        progress: &dyn Progress,
-        depth: u32,
-        held: &mut Vec<ParkedMessage>,
-        report: &mut RedriveReport,
-        mut seen: Option<&mut ParkedKeys>,
-    ) -> Result<(), OpsError> {
-        let mut pace = request.rate_per_sec.map(|r| {
+    /// Walks the parking lot once: each copy read is classified, noted for reconciliation
+    /// and, when the request selects it, acted on as planned (or previewed in a dry run).
+    async fn redrive_pass(&self, mut pass: Pass<'_>) -> Result<(), OpsError> {
+        let mut pace = pass.request.rate_per_sec.map(|r| {
             let mut i = tokio::time::interval(Duration::from_secs_f64(1.0 / r));
             i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             i
         });
         let mut moving = 0u64;
-        for _ in 0..depth {
-            if request.limit.is_some_and(|l| moving >= l) {
+        for _ in 0..pass.depth {
+            if pass.request.limit.is_some_and(|l| moving >= l) {
                 break;
             }
-            let Some(parked) = lot.next().await? else {
+            let Some(parked) = pass.lot.next().await? else {
                 break;
             };
-            report.examined += 1;
-            progress.advance(1);
+            pass.report.examined += 1;
+            pass.progress.advance(1);
             let c = match self.classify(&parked).await {
                 Ok(c) => c,
                 Err(e) => {
-                    held.push(parked);
+                    pass.held.push(parked);
                     return Err(e);
                 }
             };
-            if let (Some(seen), Some(consumer), Some(key)) = (seen.as_mut(), &c.consumer, &c.key) {
-                seen.keys.insert((consumer.clone(), key.clone()));
-                let conflict = parked.error_code() == Some(rabbit_inbox::status::PAYLOAD_CONFLICT);
-                if conflict {
-                    seen.conflict_copies += 1;
-                }
-                if c.class == ParkedClass::Processed && conflict {
-                    seen.processed_conflicts.push(key.clone());
-                }
-                if c.class == ParkedClass::Reopen && !conflict {
-                    *seen
-                        .parked_copies
-                        .entry((consumer.clone(), key.clone()))
-                        .or_default() += 1;
-                }
+            if let Some(seen) = pass.seen.as_mut() {
+                seen.note(&parked, &c);
             }
-            if !self.selected(request, &parked, &c) {
-                report.note(ParkedClass::Filtered, ParkedAction::Left);
-                held.push(parked);
+            if !self.selected(pass.request, &parked, &c) {
+                pass.report.note(ParkedClass::Filtered, ParkedAction::Left);
+                pass.held.push(parked);
                 continue;
             }
-            let planned = planned_action(c.class, request);
-            let finding = |action| Finding {
-                message_id: c.key.clone(),
-                consumer: c.consumer.clone(),
-                class: c.class,
-                action,
-                detail: c.detail.clone(),
-            };
-            let record = |report: &mut RedriveReport, action| {
-                report.note(c.class, action);
-                if action != ParkedAction::Moved
-                    && action != ParkedAction::WouldMove
-                    && report.findings.len() < MAX_FINDINGS
-                {
-                    report.findings.push(finding(action));
-                }
-            };
-            let (true, Some(actor)) = (!request.dry_run, actor) else {
+            let planned = planned_action(c.class, pass.request);
+            let (true, Some(actor)) = (!pass.request.dry_run, pass.actor) else {
                 // Dry run: what the real run would do, nothing done.
                 if matches!(planned, ParkedAction::Moved | ParkedAction::Discarded) {
                     moving += 1;
                 }
-                record(report, planned.previewed());
-                held.push(parked);
+                pass.record(&c, planned.previewed());
+                pass.held.push(parked);
                 continue;
             };
-            match planned {
-                ParkedAction::Removed => {
-                    let action = if c.class == ParkedClass::Redriven {
-                        DROP_REDRIVEN
-                    } else {
-                        DROP_PROCESSED
-                    };
-                    let mut tx = self.pool.begin().await?;
-                    audit(
-                        &mut tx,
-                        &self.schema,
-                        actor,
-                        action,
-                        c.consumer.as_deref(),
-                        c.key.as_deref(),
-                        stamped(
-                            json!({ "parking_queue": lot.parking_queue() }),
-                            request.job.as_deref(),
-                        ),
-                    )
-                    .await?;
-                    tx.commit().await?;
-                    lot.remove(parked).await?;
-                    record(report, ParkedAction::Removed);
-                }
-                ParkedAction::Moved => {
-                    if let Some(pace) = pace.as_mut() {
-                        pace.tick().await;
-                    }
-                    match self
-                        .move_copy(lot, &parked, &c, actor, request.job.as_deref())
-                        .await
-                    {
-                        Ok(Some(republished)) => {
-                            #[cfg(feature = "fault-injection")]
-                            self.redrive_faults
-                                .at(crate::fault::RedriveStep::AfterConfirm, c.key.as_deref())
-                                .await;
-                            lot.remove(parked).await?;
-                            if republished.user_id_kept_in_header {
-                                report.user_id_not_restored += 1;
-                            }
-                            moving += 1;
-                            record(report, ParkedAction::Moved);
-                        }
-                        // The row changed between classification and its lock (a consumer or
-                        // another operator got there first): leave the copy for the next pass.
-                        Ok(None) => {
-                            record(report, ParkedAction::Left);
-                            held.push(parked);
-                        }
-                        // Before the commit nothing changed; after it the row is open and the
-                        // copy goes back to the parking lot, for the next pass to resume.
-                        Err(e) => {
-                            held.push(parked);
-                            return Err(e);
-                        }
-                    }
-                }
-                ParkedAction::Discarded => {
-                    if let Some(pace) = pace.as_mut() {
-                        pace.tick().await;
-                    }
-                    match self
-                        .audit_discard(lot, &parked, &c, actor, request.job.as_deref())
-                        .await
-                    {
-                        // Audited and committed: only now is the copy acked away. Killed in
-                        // between, the copy comes back and a rerun discards it again.
-                        Ok(true) => {
-                            lot.remove(parked).await?;
-                            moving += 1;
-                            record(report, ParkedAction::Discarded);
-                        }
-                        // The row left its parked state since it was classified: leave it.
-                        Ok(false) => {
-                            record(report, ParkedAction::Left);
-                            held.push(parked);
-                        }
-                        Err(e) => {
-                            held.push(parked);
-                            return Err(e);
-                        }
-                    }
-                }
-                ParkedAction::Left
-                | ParkedAction::Refused
-                | ParkedAction::WouldMove
-                | ParkedAction::WouldRemove
-                | ParkedAction::WouldDiscard => {
-                    record(report, planned);
-                    held.push(parked);
-                }
+            if self
+                .act(&mut pass, &mut pace, parked, &c, planned, actor)
+                .await?
+            {
+                moving += 1;
             }
         }
         Ok(())
+    }
+
+    /// Does what was planned for one selected copy in a real run. `true`: the copy counts
+    /// against the request's limit (moved or discarded).
+    async fn act(
+        &self,
+        pass: &mut Pass<'_>,
+        pace: &mut Option<Interval>,
+        parked: ParkedMessage,
+        c: &Classified,
+        planned: ParkedAction,
+        actor: &Actor,
+    ) -> Result<bool, OpsError> {
+        match planned {
+            ParkedAction::Removed => {
+                self.remove_copy(pass, parked, c, actor).await?;
+                Ok(false)
+            }
+            ParkedAction::Moved => {
+                if let Some(pace) = pace.as_mut() {
+                    pace.tick().await;
+                }
+                self.move_parked(pass, parked, c, actor).await
+            }
+            ParkedAction::Discarded => {
+                if let Some(pace) = pace.as_mut() {
+                    pace.tick().await;
+                }
+                self.discard_parked(pass, parked, c, actor).await
+            }
+            ParkedAction::Left
+            | ParkedAction::Refused
+            | ParkedAction::WouldMove
+            | ParkedAction::WouldRemove
+            | ParkedAction::WouldDiscard => {
+                pass.record(c, planned);
+                pass.held.push(parked);
+                Ok(false)
+            }
+        }
+    }
+
+    /// Removes a copy whose message is already processed (or was redriven and processed),
+    /// audited first.
+    async fn remove_copy(
+        &self,
+        pass: &mut Pass<'_>,
+        parked: ParkedMessage,
+        c: &Classified,
+        actor: &Actor,
+    ) -> Result<(), OpsError> {
+        let action = if c.class == ParkedClass::Redriven {
+            DROP_REDRIVEN
+        } else {
+            DROP_PROCESSED
+        };
+        let mut tx = self.pool.begin().await?;
+        audit(
+            &mut tx,
+            &self.schema,
+            actor,
+            action,
+            c.consumer.as_deref(),
+            c.key.as_deref(),
+            stamped(
+                json!({ "parking_queue": pass.lot.parking_queue() }),
+                pass.request.job.as_deref(),
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        pass.lot.remove(parked).await?;
+        pass.record(c, ParkedAction::Removed);
+        Ok(())
+    }
+
+    /// Moves a copy back to the work queue, its row reopened. `true`: moved.
+    async fn move_parked(
+        &self,
+        pass: &mut Pass<'_>,
+        parked: ParkedMessage,
+        c: &Classified,
+        actor: &Actor,
+    ) -> Result<bool, OpsError> {
+        match self
+            .move_copy(pass.lot, &parked, c, actor, pass.request.job.as_deref())
+            .await
+        {
+            Ok(Some(republished)) => {
+                #[cfg(feature = "fault-injection")]
+                self.redrive_faults
+                    .at(crate::fault::RedriveStep::AfterConfirm, c.key.as_deref())
+                    .await;
+                pass.lot.remove(parked).await?;
+                if republished.user_id_kept_in_header {
+                    pass.report.user_id_not_restored += 1;
+                }
+                pass.record(c, ParkedAction::Moved);
+                Ok(true)
+            }
+            // The row changed between classification and its lock (a consumer or another
+            // operator got there first): leave the copy for the next pass.
+            Ok(None) => {
+                pass.record(c, ParkedAction::Left);
+                pass.held.push(parked);
+                Ok(false)
+            }
+            // Before the commit nothing changed; after it the row is open and the copy goes
+            // back to the parking lot, for the next pass to resume.
+            Err(e) => {
+                pass.held.push(parked);
+                Err(e)
+            }
+        }
+    }
+
+    /// Discards a copy of a parked row, audited and committed first. `true`: discarded.
+    async fn discard_parked(
+        &self,
+        pass: &mut Pass<'_>,
+        parked: ParkedMessage,
+        c: &Classified,
+        actor: &Actor,
+    ) -> Result<bool, OpsError> {
+        match self
+            .audit_discard(pass.lot, &parked, c, actor, pass.request.job.as_deref())
+            .await
+        {
+            // Audited and committed: only now is the copy acked away. Killed in between, the
+            // copy comes back and a rerun discards it again.
+            Ok(true) => {
+                pass.lot.remove(parked).await?;
+                pass.record(c, ParkedAction::Discarded);
+                Ok(true)
+            }
+            // The row left its parked state since it was classified: leave it.
+            Ok(false) => {
+                pass.record(c, ParkedAction::Left);
+                pass.held.push(parked);
+                Ok(false)
+            }
+            Err(e) => {
+                pass.held.push(parked);
+                Err(e)
+            }
+        }
     }
 
     /// Writes the `discard` audit row of one parked copy and the row's `discarded_at`, and

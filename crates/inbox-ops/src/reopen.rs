@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
-use super::{Actor, Operations, OpsError, audit::audit};
+use crate::{actor::Actor, audit::audit, error::OpsError, operations::Operations};
 use rabbit_inbox::{schema::SchemaName, status::InboxStatus};
 
 /// Audit action of a reopened failed row.

@@ -26,10 +26,14 @@ use sha2::{Digest, Sha256};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 use uuid::Uuid;
 
-use super::{
-    Actor, NoProgress, Operations, OpsError, ParkedAction, RedriveRequest,
+use crate::{
+    actor::Actor,
     audit::audit,
+    error::OpsError,
+    operations::Operations,
+    progress::NoProgress,
     recover::{RECOVERY_HEADER, Unrepublishable, publish},
+    redrive::{ParkedAction, RedriveRequest},
 };
 use rabbit_inbox::{
     broker::{Broker, OutgoingMessage, ParkingLot},

@@ -19,7 +19,13 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgConnection, SqlSafeStr, SqlStr};
 
-use super::{Actor, NoProgress, Operations, OpsError, Progress};
+use crate::{
+    actor::Actor,
+    audit::audit,
+    error::OpsError,
+    operations::Operations,
+    progress::{NoProgress, Progress},
+};
 use rabbit_inbox::{
     ConfigError, ConsumerConfig,
     retention::{RetentionMode, RetentionPolicy},
@@ -676,7 +682,7 @@ impl Run<'_> {
         if let Some(ticket) = ticket {
             actor = actor.with_ticket(ticket)?;
         }
-        super::audit(
+        audit(
             self.conn,
             self.schema,
             &actor,

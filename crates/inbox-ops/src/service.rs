@@ -25,7 +25,10 @@ use rabbit_inbox::{
     stats::ConsumerStats,
 };
 
-use crate::{RecoveryConfig, RecoveryTask, RetentionTask};
+use crate::{
+    recover::{RecoveryConfig, RecoveryTask},
+    retention::RetentionTask,
+};
 
 /// How often the sampler samples unless told otherwise.
 pub const DEFAULT_SAMPLER_INTERVAL: Duration = Duration::from_secs(15);

@@ -4,7 +4,10 @@ use std::{process::ExitCode, time::Duration};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use inbox_ops::{Actor, CleanupReport, CleanupRequest, OpsError};
+use inbox_ops::{
+    Actor, OpsError,
+    retention::{CleanupReport, CleanupRequest},
+};
 use rabbit_inbox::{
     RetryPolicy, retention::RetentionMode, retention::RetentionPolicy, retention::TypeRetention,
 };

@@ -4,7 +4,7 @@
 use std::{process::ExitCode, time::Duration};
 
 use clap::{Args, ValueEnum};
-use inbox_ops::{DoctorReport, DoctorRequest, Severity};
+use inbox_ops::doctor::{DoctorReport, DoctorRequest, Severity};
 use rabbit_inbox::{
     PayloadStorage, QueueType, retention::RetentionPolicy, retention::TypeRetention,
 };

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use inbox_ops::FailureGroup;
+use inbox_ops::inspect::FailureGroup;
 
 use crate::{
     Servers, connect,

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use inbox_ops::{ListFilter, ListPage};
+use inbox_ops::inspect::{ListFilter, ListPage};
 use rabbit_inbox::InboxStatus;
 
 use crate::{

@@ -4,7 +4,7 @@ use std::{process::ExitCode, time::Duration};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use inbox_ops::{RecoverRequest, RecoveryPolicy, RecoveryReport};
+use inbox_ops::recover::{RecoverRequest, RecoveryPolicy, RecoveryReport};
 use rabbit_inbox::RetryPolicy;
 
 use crate::{

@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use inbox_ops::{ParkedAction, RedriveReport, RedriveRequest};
+use inbox_ops::redrive::{ParkedAction, RedriveReport, RedriveRequest};
 
 use crate::{
     Servers,

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use inbox_ops::{OpsError, Reopened};
+use inbox_ops::{OpsError, reopen::Reopened};
 
 use crate::{
     Servers,

@@ -4,7 +4,10 @@ use std::{io::Read, path::PathBuf, process::ExitCode};
 
 use anyhow::Context;
 use clap::Args;
-use inbox_ops::{DiffOp, OpsError, ReplayEditedReport, ReplayEditedRequest, WorkQueue};
+use inbox_ops::{
+    OpsError,
+    replay::{DiffOp, ReplayEditedReport, ReplayEditedRequest, WorkQueue},
+};
 
 use crate::{
     Servers,

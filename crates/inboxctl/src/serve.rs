@@ -209,7 +209,7 @@ pub(crate) async fn run(servers: &Servers, args: ServeArgs) -> anyhow::Result<Ex
         http_url(url).map_err(|e| anyhow::anyhow!("--prometheus-url: {e}"))?;
     }
     if let Some(url) = &args.management_url {
-        inbox_ops::ManagementClient::new(&servers.amqp_url, Some(url))
+        inbox_ops::management::ManagementClient::new(&servers.amqp_url, Some(url))
             .context("--management-url")?;
     }
     let metrics = crate::telemetry::metrics_recorder()?;

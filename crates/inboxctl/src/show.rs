@@ -4,7 +4,10 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use inbox_ops::{AuditEntry, Payload, RowDetail, ShowQuery, ShowReport};
+use inbox_ops::{
+    audit::AuditEntry,
+    inspect::{Payload, RowDetail, ShowQuery, ShowReport},
+};
 use rabbit_inbox::InboxStatus;
 
 use crate::{

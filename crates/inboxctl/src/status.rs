@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use inbox_ops::{StatusQuery, StatusReport};
+use inbox_ops::inspect::{StatusQuery, StatusReport};
 
 use crate::{
     Servers, connect,

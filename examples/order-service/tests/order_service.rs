@@ -473,7 +473,7 @@ async fn a_forced_replay_of_a_payment_the_rules_refuse_ends_permanent_failed_and
         .reopen("p1", &svc.config.consumer_name, &actor, true)
         .await
         .expect("forced replay");
-    assert_eq!(replay.action, inbox_ops::FORCED_REPLAY);
+    assert_eq!(replay.action, inbox_ops::reopen::FORCED_REPLAY);
     svc.publish(&payment_received("p1", "o1", 1000)).await;
     let refused = svc
         .wait_for_record("p1", "PERMANENT_FAILED", is(InboxStatus::PermanentFailed))

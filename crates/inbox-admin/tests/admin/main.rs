@@ -10,5 +10,6 @@ mod console_api;
 mod console_statuses;
 mod dashboard;
 mod exposure;
+mod layering;
 mod prometheus;
 mod util;

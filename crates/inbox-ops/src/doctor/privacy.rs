@@ -4,8 +4,12 @@ use std::collections::BTreeMap;
 
 use sqlx::{AssertSqlSafe, Row};
 
-use super::{Area, Check, DoctorRequest, Severity, ids};
-use crate::{Operations, OpsError};
+use super::{
+    check::{Area, Check, Severity},
+    check_ids as ids,
+    request::DoctorRequest,
+};
+use crate::{error::OpsError, operations::Operations};
 use rabbit_inbox::privacy::PayloadStorage;
 
 impl Operations {

@@ -12,10 +12,16 @@
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, Row};
 
-use super::{Area, Check, DoctorRequest, Severity, examples, ids};
+use super::{
+    check::{Area, Check, Severity, examples},
+    check_ids as ids,
+    request::DoctorRequest,
+};
 use crate::{
-    NoProgress, Operations, OpsError, ParkedClass, RedriveRequest,
-    redrive::{DOCTOR_LOT_PATIENCE, ParkedKeys},
+    error::OpsError,
+    operations::Operations,
+    progress::NoProgress,
+    redrive::{DOCTOR_LOT_PATIENCE, ParkedClass, ParkedKeys, RedriveRequest},
 };
 use rabbit_inbox::{broker::ParkingLot, broker::Topology};
 

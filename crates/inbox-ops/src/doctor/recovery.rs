@@ -4,8 +4,19 @@ use std::collections::BTreeSet;
 
 use sqlx::AssertSqlSafe;
 
-use super::{Area, Check, DoctorRequest, RECOVERY_SCAN_LIMIT, Severity, examples, ids};
-use crate::{Operations, OpsError, RecoverRequest, RecoveryCause, RecoveryPolicy};
+use super::{
+    check::{Area, Check, Severity, examples},
+    check_ids as ids,
+    request::DoctorRequest,
+};
+use crate::{
+    error::OpsError,
+    operations::Operations,
+    recover::{RecoverRequest, RecoveryCause, RecoveryPolicy},
+};
+
+/// Most rows recovery's dry run lists per consumer.
+const RECOVERY_SCAN_LIMIT: usize = 10_000;
 
 impl Operations {
     pub(super) async fn consumers_with_open_rows(

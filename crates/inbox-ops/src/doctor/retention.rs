@@ -1,7 +1,11 @@
 //! Retention check: the dedup window against the redelivery horizon.
 
-use super::{Area, Check, DoctorRequest, Severity, ids};
-use crate::Operations;
+use super::{
+    check::{Area, Check, Severity},
+    check_ids as ids,
+    request::DoctorRequest,
+};
+use crate::operations::Operations;
 
 impl Operations {
     pub(super) fn check_retention(&self, request: &DoctorRequest) -> Check {

@@ -5,8 +5,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use sqlx::{AssertSqlSafe, Row};
 
-use super::{Area, Check, Severity, ids};
-use crate::{Operations, OpsError};
+use super::{
+    check::{Area, Check, Severity},
+    check_ids as ids,
+};
+use crate::{error::OpsError, operations::Operations};
 use rabbit_inbox::schema::{MIGRATIONS_TABLE, MIGRATOR, migration_indexes};
 
 impl Operations {

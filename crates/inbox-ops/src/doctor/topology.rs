@@ -2,8 +2,15 @@
 
 use serde_json::Value;
 
-use super::{Area, Check, DoctorRequest, Severity, ids};
-use crate::{ManagementClient, Operations, QueueInfo};
+use super::{
+    check::{Area, Check, Severity},
+    check_ids as ids,
+    request::DoctorRequest,
+};
+use crate::{
+    management::{ManagementClient, ManagementError, QueueInfo},
+    operations::Operations,
+};
 use rabbit_inbox::{broker::QueueType, broker::Topology};
 
 /// Values of a queue setting as text for a detail line.
@@ -170,7 +177,7 @@ impl Operations {
         version: &str,
         topology: &Topology,
         request: &DoctorRequest,
-    ) -> Result<Vec<Check>, crate::ManagementError> {
+    ) -> Result<Vec<Check>, ManagementError> {
         let quorum = topology.queue_type == QueueType::Quorum;
         let tiers = topology.retry_tier_queues(&request.retry);
         let first_tier = tiers.first().map_or(topology.retry_queue.as_str(), |t| t);

@@ -11,7 +11,10 @@
 
 use std::time::Duration;
 
-use inbox_ops::{DoctorReport, DoctorRequest, Operations, Severity, check_ids as ids};
+use inbox_ops::{
+    Operations,
+    doctor::{DoctorReport, DoctorRequest, Severity, check_ids as ids},
+};
 use inbox_testkit::env::{Rule, TestEnv, amqp_url, message, wait_for};
 use rabbit_inbox::{
     ConsumerConfig, InboxStatus, PayloadStorage, Topology, broker::OutgoingMessage,
@@ -688,7 +691,7 @@ async fn a_redrive_beside_a_doctor_pass_moves_every_parked_copy() {
     let redrive = ops
         .redrive(
             &lot,
-            &inbox_ops::RedriveRequest::default(),
+            &inbox_ops::redrive::RedriveRequest::default(),
             Some(&actor),
             &inbox_ops::NoProgress,
         )
@@ -698,7 +701,7 @@ async fn a_redrive_beside_a_doctor_pass_moves_every_parked_copy() {
     let report = doctor_pass.await.expect("the doctor's pass");
 
     assert_eq!(
-        redrive.action(inbox_ops::ParkedAction::Moved),
+        redrive.action(inbox_ops::redrive::ParkedAction::Moved),
         u64::from(N),
         "every parked copy redriven: {redrive:#?}"
     );

@@ -8,9 +8,14 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use inbox_ops::{
-    ALERT_DEDUP_WINDOW_HEADROOM, ALERT_DUPLICATE_SPIKE, ALERT_OLDEST_UNPROCESSED_AGE,
-    ALERT_PARKING_LOT_GROWING, ALERT_STALE_PROCESSING, ActivityBucket, ActivityQuery, Actor,
-    AlertQuery, ListFilter, Operations, OpsError, TimelineKind,
+    Actor, Operations, OpsError,
+    activity::{ActivityBucket, ActivityQuery},
+    alerts::{
+        ALERT_DEDUP_WINDOW_HEADROOM, ALERT_DUPLICATE_SPIKE, ALERT_OLDEST_UNPROCESSED_AGE,
+        ALERT_PARKING_LOT_GROWING, ALERT_STALE_PROCESSING, AlertQuery,
+    },
+    history::TimelineKind,
+    inspect::ListFilter,
 };
 use inbox_testkit::env::{Rule, TestEnv, message};
 use rabbit_inbox::{InboxStatus, broker::OutgoingMessage};
@@ -183,7 +188,7 @@ async fn a_timeline_tells_what_happened_to_a_message() {
         statuses: vec![InboxStatus::Processed, InboxStatus::PermanentFailed],
         ..ListFilter::default()
     };
-    let ids = |page: inbox_ops::ListPage| -> Vec<String> {
+    let ids = |page: inbox_ops::inspect::ListPage| -> Vec<String> {
         page.rows.into_iter().map(|r| r.message_id).collect()
     };
     assert_eq!(
@@ -347,7 +352,7 @@ async fn a_redelivery_storm_is_one_entry_and_a_long_history_is_cut_to_the_newest
 
     // Failures alternating with duplicates (a message redriven again and again): more entries
     // than a page holds. The newest are kept, oldest first, and the cut is said.
-    let limit = usize::try_from(inbox_ops::TIMELINE_LIMIT).expect("a size");
+    let limit = usize::try_from(inbox_ops::history::TIMELINE_LIMIT).expect("a size");
     exec(
         &env,
         &format!(

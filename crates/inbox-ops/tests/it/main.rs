@@ -6,6 +6,7 @@
 #[cfg(feature = "management")]
 mod doctor;
 mod history;
+mod layering;
 mod ops_inspect;
 mod ops_recover;
 mod ops_redrive;

@@ -4,7 +4,10 @@
 
 // Shared with the other integration tests; not every helper is used here.
 
-use inbox_ops::{ListFilter, Operations, Payload, ShowQuery, StatusQuery};
+use inbox_ops::{
+    Operations,
+    inspect::{ListFilter, Payload, ShowQuery, StatusQuery},
+};
 use inbox_testkit::env::{Rule, TestEnv, amqp_url, message, wait_for};
 use rabbit_inbox::{
     InboxStatus, broker::OutgoingMessage, broker::ParkingLot, envelope::AGGREGATE_ID_HEADER,

@@ -7,8 +7,9 @@
 use std::{sync::Arc, time::Duration};
 
 use inbox_ops::{
-    Actor, NoProgress, Operations, Payload, RecoverRequest, RecoveryAction, RecoveryCause,
-    RecoveryConfig, RecoveryPolicy, RecoveryReport, RecoveryTask, ShowQuery,
+    Actor, NoProgress, Operations, RecoveryConfig, RecoveryTask,
+    inspect::{Payload, ShowQuery},
+    recover::{RecoverRequest, RecoveryAction, RecoveryCause, RecoveryPolicy, RecoveryReport},
 };
 use inbox_testkit::env::{Rule, TestEnv, amqp_url, header, message, thing, wait_for};
 use rabbit_inbox::{

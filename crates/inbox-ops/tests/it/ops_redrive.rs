@@ -7,8 +7,9 @@
 // Shared with the other integration tests; not every helper is used here.
 
 use inbox_ops::{
-    Actor, DROP_PROCESSED, DROP_REDRIVEN, FORCED_REPLAY, NoProgress, Operations, OpsError,
-    ParkedAction, ParkedClass, REDRIVE, REOPEN, RedriveRequest,
+    Actor, NoProgress, Operations, OpsError,
+    redrive::{DROP_PROCESSED, DROP_REDRIVEN, ParkedAction, ParkedClass, REDRIVE, RedriveRequest},
+    reopen::{FORCED_REPLAY, REOPEN},
 };
 use inbox_testkit::env::{Rule, TestEnv, amqp_url, message, wait_for};
 use rabbit_inbox::{
@@ -474,7 +475,7 @@ async fn reopen_and_forced_replay_are_audited_and_refused_without_force() {
     assert_eq!(audit_actions(&env, "inv-paid").await, [FORCED_REPLAY]);
     assert_eq!(audit_actions(&env, "inv-poison").await, [REOPEN]);
     let shown = ops
-        .show(&inbox_ops::ShowQuery {
+        .show(&inbox_ops::inspect::ShowQuery {
             message_id: "inv-poison".into(),
             consumer: None,
             topology: None,
@@ -687,7 +688,7 @@ type Counts = Vec<(String, u64)>;
 
 /// A report's counts per class and per action, a dry run's `would_` actions named as the real
 /// run's.
-fn as_run(report: &inbox_ops::RedriveReport) -> (Counts, Counts) {
+fn as_run(report: &inbox_ops::redrive::RedriveReport) -> (Counts, Counts) {
     let classes = report
         .classes
         .iter()
@@ -780,7 +781,7 @@ async fn a_dry_run_reports_what_the_run_then_does_with_and_without_drop_processe
     lot.close().await;
     // Without --drop-processed: two moved, the leftover removed, the PROCESSED finding left,
     // the stranger refused; then the finding is removed as asked.
-    let counts = |r: &inbox_ops::RedriveReport| {
+    let counts = |r: &inbox_ops::redrive::RedriveReport| {
         [
             ParkedAction::Moved,
             ParkedAction::Removed,
@@ -801,7 +802,7 @@ async fn a_dry_run_reports_what_the_run_then_does_with_and_without_drop_processe
 async fn kill_redrive_at(
     ops: &Operations,
     topology: &Topology,
-    step: inbox_ops::RedriveStep,
+    step: inbox_ops::fault::RedriveStep,
 ) -> String {
     let lot = ParkingLot::connect(&amqp_url(), &topology.queue, &topology.parking_queue)
         .await
@@ -822,7 +823,7 @@ async fn kill_redrive_at(
 #[cfg(feature = "fault-injection")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_killed_at_each_step_loses_nothing_and_its_rerun_finishes_the_job() {
-    use inbox_ops::RedriveStep;
+    use inbox_ops::fault::RedriveStep;
 
     let env = TestEnv::new().await;
     let topology = env.topology("invoices");

@@ -5,8 +5,9 @@
 //! values; a discard removes exactly the listed copies and keeps their rows as they were.
 
 use inbox_ops::{
-    Actor, DISCARD, DROP_PROCESSED, DiffOp, NoProgress, Operations, OpsError, ParkedAction,
-    REPLACES_HEADER, REPLAY_EDITED, RedriveRequest, ReplayEditedRequest, WorkQueue,
+    Actor, NoProgress, Operations, OpsError,
+    redrive::{DISCARD, DROP_PROCESSED, ParkedAction, RedriveRequest},
+    replay::{DiffOp, REPLACES_HEADER, REPLAY_EDITED, ReplayEditedRequest, WorkQueue},
 };
 use inbox_testkit::env::{Rule, TestEnv, amqp_url, header, message, wait_for};
 use rabbit_inbox::{

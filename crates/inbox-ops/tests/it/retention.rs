@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use inbox_ops::{
-    Actor, CleanupRequest, NoProgress, Operations, OpsError, RetentionTask, TimelineKind,
+    Actor, NoProgress, Operations, OpsError, RetentionTask, history::TimelineKind,
+    retention::CleanupRequest,
 };
 use inbox_testkit::env::{TestEnv, thing, wait_for};
 use rabbit_inbox::{

@@ -8,7 +8,10 @@ use std::{
     time::Duration,
 };
 
-use inbox_ops::{Actor, NoProgress, Operations, RecoverRequest, RecoveryAction};
+use inbox_ops::{
+    Actor, NoProgress, Operations,
+    recover::{RecoverRequest, RecoveryAction},
+};
 use inbox_testkit::env::{Running, TestEnv, thing, wait_for};
 use rabbit_inbox::{
     Consumer, ConsumerConfig, HandlerError, InboxMessage, InboxStatus, Lease, LeaseConfig,

@@ -4,7 +4,7 @@
 
 use std::{sync::OnceLock, time::Duration};
 
-use inbox_ops::{CleanupRequest, NoProgress, Operations};
+use inbox_ops::{NoProgress, Operations, retention::CleanupRequest};
 use inbox_testkit::env::{Rule, TestEnv, message, sha256, thing, wait_for};
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use metrics_util::registry::{AtomicStorage, Registry};

@@ -16,7 +16,10 @@
 // Shared with the other integration tests; not every helper is used here.
 
 use crate::raw_amqp::{RawPublisher, content_header, long_bytes, short_string};
-use inbox_ops::{Actor, NoProgress, Operations, ParkedAction, RedriveRequest};
+use inbox_ops::{
+    Actor, NoProgress, Operations,
+    redrive::{ParkedAction, RedriveRequest},
+};
 use inbox_testkit::env::{TestEnv, amqp_url, header, thing};
 use rabbit_inbox::{InboxStatus, Topology, envelope::AmqpMessage, status::parking_headers};
 

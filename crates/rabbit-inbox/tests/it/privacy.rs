@@ -4,7 +4,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use inbox_ops::{CleanupRequest, NoProgress, Operations};
+use inbox_ops::{NoProgress, Operations, retention::CleanupRequest};
 use inbox_testkit::env::{Rule, TestEnv, database_url, message, random_hex, wait_for};
 use rabbit_inbox::{
     InboxStatus, PayloadStorage, Topology,
@@ -427,7 +427,7 @@ async fn operator_and_admin_roles_can_do_what_they_are_for_and_no_more() {
     // The operator reads everything through the operations API, and changes nothing.
     let (_operator, operator) = pool_of(&env, RoleKind::Operator, &[], 2).await;
     let report = Operations::new(operator.clone(), env.schema.clone())
-        .status(&inbox_ops::StatusQuery::default(), None)
+        .status(&inbox_ops::inspect::StatusQuery::default(), None)
         .await
         .expect("operator reads the status");
     assert!(
@@ -603,22 +603,22 @@ async fn the_audit_trail_records_the_writing_role_and_server_time_and_refuses_fo
     // The library's writer goes through the same functions.
     let actor = inbox_ops::Actor::new("token-reader", "looked at a failure").expect("actor");
     let mut conn = operator.acquire().await.expect("connection");
-    inbox_ops::audit(
+    inbox_ops::audit::audit(
         &mut conn,
         &env.schema,
         &actor,
-        inbox_ops::PAYLOAD_READ,
+        inbox_ops::audit::PAYLOAD_READ,
         Some("svc"),
         Some("m-1"),
         json!({}),
     )
     .await
     .expect("the operator records its read");
-    let refused = inbox_ops::audit(
+    let refused = inbox_ops::audit::audit(
         &mut conn,
         &env.schema,
         &actor,
-        inbox_ops::REOPEN,
+        inbox_ops::reopen::REOPEN,
         Some("svc"),
         Some("m-1"),
         json!({}),
@@ -785,7 +785,7 @@ async fn error_texts_never_carry_what_the_payload_policy_keeps_out() {
     let ops = Operations::new(env.pool.clone(), env.schema.clone());
     for (id, _, _) in cases.iter().filter(|(id, _, _)| *id != "p-1") {
         let shown = ops
-            .show(&inbox_ops::ShowQuery {
+            .show(&inbox_ops::inspect::ShowQuery {
                 message_id: (*id).to_owned(),
                 consumer: Some("svc".into()),
                 topology: None,
@@ -909,7 +909,7 @@ async fn error_texts_and_headers_are_sealed_under_the_tenant_key_and_shredded_wi
 
     // The keyring's holder reads all of it; without the keyring, what is in clear.
     let show = async |ops: &Operations, id: &str| {
-        ops.show(&inbox_ops::ShowQuery {
+        ops.show(&inbox_ops::inspect::ShowQuery {
             message_id: id.to_owned(),
             consumer: Some("svc".into()),
             topology: None,

@@ -13,8 +13,11 @@
 
 use std::{net::TcpStream, path::PathBuf, time::Duration};
 
-use inbox_ops::{DoctorRequest, Operations, Severity, check_ids as ids};
-use inbox_ops::{ManagementClient, ManagementError};
+use inbox_ops::management::{ManagementClient, ManagementError};
+use inbox_ops::{
+    Operations,
+    doctor::{DoctorRequest, Severity, check_ids as ids},
+};
 use inbox_testkit::env::{Running, random_hex, thing, wait_for};
 use rabbit_inbox::{
     BrokerError, ConfigError, Consumer, HandlerError, InboxMessage, InboxStatus, SchemaName,
