@@ -45,6 +45,8 @@
 
 // The state machine's vocabulary.
 pub mod status;
+// Its words as SQL: the ledger's tables, status sets and shared conditions.
+pub mod ledger_sql;
 
 // What the ledger and the broker build on.
 pub mod advisory_lock;

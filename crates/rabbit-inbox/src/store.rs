@@ -8,11 +8,12 @@
 use std::{borrow::Cow, sync::Arc, time::Duration};
 
 use chrono::{DateTime, Utc};
-use sqlx::{AssertSqlSafe, PgConnection, Row, SqlSafeStr, SqlStr};
+use sqlx::{PgConnection, Row, SqlStr};
 
 use crate::{
     envelope::{Envelope, HEADER_TOO_DEEP, MAX_HEADER_DEPTH},
     error::StoreError,
+    ledger_sql::tables,
     privacy::{
         PayloadPrivacy, PayloadRules, PayloadStorage, Phase, Sealed, StoredError, StoredPayload,
     },
@@ -221,7 +222,8 @@ pub struct InboxStore {
 }
 
 /// Statements, built once per store. The only spliced text is the schema name, which
-/// [`SchemaName`] has validated; values are always bound.
+/// [`SchemaName`] has validated, and the fragments of [`crate::ledger_sql`]; values are
+/// always bound.
 ///
 /// Lookups by key run as unnamed (re-planned) statements: a prepared plan made while the
 /// table was small can stay a sequential scan after it has grown to millions of rows.
@@ -244,39 +246,10 @@ struct Sql {
     oldest_processed: SqlStr,
 }
 
-/// The SQL condition of a stale PROCESSING row, with the stale threshold (seconds) in
-/// placeholder `secs`: a leased row whose lease expired, or an unleased row whose claim is
-/// older than the threshold. A leased row whose worker still heartbeats is never stale, however
-/// long it runs. The lease takeover, `status` and the sampler use it; recovery's causes
-/// (`lease_expired`, `stale_processing`) split the same condition in two.
-pub fn stale_processing(secs: &str) -> String {
-    format!(
-        "(status = 'PROCESSING' AND (lease_expires_at < now() OR (lease_expires_at IS NULL \
-           AND coalesce(processing_started_at, last_received_at) < now() - make_interval(secs => {secs}))))"
-    )
-}
-
-/// The SQL interval by which an open row is overdue, with each attempt's retry delay
-/// (seconds, the last for later attempts) in placeholder `delays`: a committed PROCESSING row
-/// since its claim (unless its lease is alive), a RETRYABLE_FAILED row since its retry delay
-/// passed; NULL for the rest (parked rows, live leases). Negative while a retry still waits.
-/// The sampler's "oldest unprocessed" gauge and `status` share it, so a backlog signal never
-/// fires on rows that are only waiting for their retry.
-pub fn overdue_by(delays: &str) -> String {
-    format!(
-        "CASE \
-           WHEN status = 'PROCESSING' AND lease_expires_at > now() THEN NULL \
-           WHEN status = 'PROCESSING' THEN now() - coalesce(processing_started_at, last_received_at) \
-           WHEN status = 'RETRYABLE_FAILED' THEN now() - last_failed_at - make_interval(secs => \
-             ({delays}::float8[])[least(greatest(processing_attempt, 1), cardinality({delays}::float8[]))]) \
-         END"
-    )
-}
-
-/// Shared (cheaply cloned) SQL text built from a validated schema name.
-pub fn audited(sql: String) -> SqlStr {
-    AssertSqlSafe(std::sync::Arc::<str>::from(sql)).into_sql_str()
-}
+// The shared conditions and the SQL text constructor under the paths the operator crate
+// imports them by; they live in [`crate::ledger_sql`].
+#[doc(hidden)]
+pub use crate::ledger_sql::{audited, overdue_by, stale_processing};
 
 const RECORD_COLUMNS: &str = "message_id, consumer_name, message_type, message_version, \
      aggregate_type, aggregate_id, status, processing_attempt, delivery_count, \
@@ -287,182 +260,254 @@ const RECORD_COLUMNS: &str = "message_id, consumer_name, message_type, message_v
 
 impl Sql {
     fn new(schema: &SchemaName) -> Self {
-        let t = schema.qualify("message_inbox");
+        let t = schema.qualify(tables::MESSAGE_INBOX);
         Sql {
-            // One multi-row insert claims a whole batch; rows that already exist are
-            // left alone and read (and locked) by `lock_existing`.
-            // The transaction's id and clock come back with it (one extra row): the id lets
-            // the caller check before COMMIT that its transaction is still the one that
-            // claimed (a handler may have ended or aborted it), the clock judges stale claims
-            // by the database's time, not this host's.
-            claim: audited(format!(
-                "WITH ins AS (INSERT INTO {t} (message_id, consumer_name, message_type, message_version, \
-                   aggregate_type, aggregate_id, status, processing_attempt, \
-                   processing_started_at, processed_at, payload_sha256, payload, headers, \
-                   correlation_id, causation_id, trace_id, tenant_id, payload_key_id) \
-                 SELECT u.id, $1, u.ty, u.ver, u.agg_ty, u.agg_id, $14, 1, now(), \
-                   CASE WHEN $14 = 'PROCESSED' THEN now() END, \
-                   u.sha, u.body, u.headers, u.corr, u.cause, u.trace, u.tenant, u.key_id \
-                 FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::text[], $6::text[], \
-                   $7::bytea[], $8::bytea[], $9::jsonb[], $10::text[], $11::text[], \
-                   $12::text[], $13::text[], $15::text[]) \
-                   AS u(id, ty, ver, agg_ty, agg_id, sha, body, headers, corr, cause, trace, tenant, \
-                        key_id) \
-                 ON CONFLICT (message_id, consumer_name) DO NOTHING \
-                 RETURNING message_id) \
-                 SELECT message_id, NULL::int8 AS txid, NULL::timestamptz AS db_now FROM ins \
-                 UNION ALL SELECT NULL, txid_current(), now()"
-            )),
-            lock_existing: audited(format!(
-                "SELECT {RECORD_COLUMNS} FROM {t} \
-                 WHERE consumer_name = $1 AND message_id = ANY($2) \
-                 ORDER BY message_id FOR UPDATE"
-            )),
-            find: audited(format!(
-                "SELECT {RECORD_COLUMNS} FROM {t} WHERE consumer_name = $1 AND message_id = $2"
-            )),
-            find_payload: audited(format!(
-                "SELECT payload, payload_key_id, headers, payload_sha256 FROM {t} \
-                 WHERE consumer_name = $1 AND message_id = $2"
-            )),
-            find_stored_payload: audited(format!(
-                "SELECT payload, payload_key_id FROM {t} \
-                 WHERE consumer_name = $1 AND message_id = $2 AND payload IS NOT NULL"
-            )),
-            reclaim: audited(format!(
-                "UPDATE {t} SET status = 'PROCESSING', \
-                   processing_attempt = processing_attempt + 1, \
-                   processing_started_at = now(), last_received_at = now() \
-                 WHERE consumer_name = $1 AND message_id = ANY($2) \
-                   AND status IN ('RETRYABLE_FAILED', 'PROCESSING') \
-                 RETURNING message_id, processing_attempt"
-            )),
-            note_redeliveries: audited(format!(
-                // Grouped by key: an UPDATE changes a row once however many input rows
-                // match it, and several copies of one key can be noted together.
-                "UPDATE {t} AS i SET last_received_at = now(), \
-                   delivery_count = i.delivery_count + u.n, \
-                   payload_conflicts = i.payload_conflicts + u.conflicts, \
-                   last_conflict_sha256 = coalesce(u.sha, i.last_conflict_sha256), \
-                   last_conflict_at = CASE WHEN u.sha IS NULL THEN i.last_conflict_at ELSE now() END, \
-                   parked_duplicates = i.parked_duplicates + u.parked, \
-                   retry_duplicates = i.retry_duplicates + u.retry \
-                 FROM (SELECT id, count(*)::int AS n, count(sha)::int AS conflicts, \
-                         (array_agg(sha) FILTER (WHERE sha IS NOT NULL))[1] AS sha, \
-                         count(*) FILTER (WHERE dup = 'parked')::int AS parked, \
-                         count(*) FILTER (WHERE dup = 'retry')::int AS retry \
-                       FROM UNNEST($2::text[], $3::bytea[], $4::text[]) AS x(id, sha, dup) \
-                       GROUP BY id) AS u \
-                 WHERE i.consumer_name = $1 AND i.message_id = u.id"
-            )),
-            // One UPDATE changes a row once: a key listed twice (two copies made for one
-            // attempt) is marked once.
-            note_confirmed_copies: audited(format!(
-                "UPDATE {t} AS i SET \
-                   parked_copy_at = CASE WHEN u.delay IS NULL THEN now() ELSE i.parked_copy_at END, \
-                   retry_copy_attempt = CASE WHEN u.delay IS NULL THEN i.retry_copy_attempt \
-                                             ELSE u.attempt END, \
-                   retry_due_at = CASE WHEN u.delay IS NULL THEN i.retry_due_at \
-                                       ELSE now() + make_interval(secs => u.delay) END \
-                 FROM (SELECT DISTINCT ON (id) id, attempt, delay \
-                       FROM UNNEST($2::text[], $3::int4[], $4::float8[]) AS x(id, attempt, delay)) AS u \
-                 WHERE i.consumer_name = $1 AND i.message_id = u.id \
-                   AND i.processing_attempt = u.attempt \
-                   AND CASE WHEN u.delay IS NULL \
-                            THEN i.status IN ('PERMANENT_FAILED', 'POISONED', 'MANUAL_REVIEW') \
-                            ELSE i.status = 'RETRYABLE_FAILED' END"
-            )),
-            mark_processed: audited(format!(
-                "UPDATE {t} SET status = 'PROCESSED', processed_at = now(), \
-                   payload = CASE WHEN $3 THEN payload ELSE NULL END, \
-                   payload_key_id = CASE WHEN $3 THEN payload_key_id ELSE NULL END, \
-                   headers = CASE WHEN $3 THEN headers ELSE '{{}}'::jsonb END \
-                 WHERE consumer_name = $1 AND message_id = ANY($2) AND status = 'PROCESSING'"
-            )),
-            // One statement records every kind of failure. It never overwrites PROCESSED (another
-            // copy committed the effect meanwhile: the failure is moot) nor a parked row
-            // (PERMANENT_FAILED, POISONED, MANUAL_REVIEW): its copy is in the parking lot, and only an explicit,
-            // audited reopen may change it. A racing retryable failure must not revive it.
-            // Many rows at once (keys distinct): a batch's failures are one statement.
-            record_failure: audited(format!(
-                "INSERT INTO {t} AS i (message_id, consumer_name, message_type, message_version, \
-                   aggregate_type, aggregate_id, status, processing_attempt, first_failed_at, \
-                   last_failed_at, payload_sha256, payload, headers, last_error_code, \
-                   last_error_message, correlation_id, causation_id, trace_id, tenant_id, \
-                   payload_key_id, last_error_safe, last_error_sealed, last_error_key_id) \
-                 SELECT u.id, $1, u.ty, u.ver, u.agg_ty, u.agg_id, \
-                   CASE WHEN u.status = 'RETRYABLE_FAILED' AND 1 >= $17 THEN 'POISONED' \
-                        ELSE u.status END, \
-                   1, now(), now(), u.sha, u.body, u.headers, u.code, u.msg, u.corr, u.cause, \
-                   u.trace, u.tenant, u.key_id, u.safe, u.msg_sealed, u.msg_key_id \
-                 FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::text[], $6::text[], \
-                   $7::text[], $8::bytea[], $9::bytea[], $10::jsonb[], $11::text[], $12::text[], \
-                   $13::text[], $14::text[], $15::text[], $16::text[], $18::text[], \
-                   $19::text[], $20::bytea[], $21::text[]) \
-                   AS u(id, ty, ver, agg_ty, agg_id, status, sha, body, headers, code, msg, \
-                        corr, cause, trace, tenant, key_id, safe, msg_sealed, msg_key_id) \
-                 ON CONFLICT (message_id, consumer_name) DO UPDATE SET \
-                   status = CASE WHEN EXCLUDED.status = 'RETRYABLE_FAILED' \
-                                  AND i.processing_attempt + 1 >= $17 \
-                             THEN 'POISONED' ELSE EXCLUDED.status END, \
-                   processing_attempt = i.processing_attempt + 1, \
-                   delivery_count = i.delivery_count + 1, last_received_at = now(), \
-                   first_failed_at = coalesce(i.first_failed_at, now()), \
-                   last_failed_at = now(), \
-                   payload = coalesce(EXCLUDED.payload, i.payload), \
-                   payload_key_id = CASE WHEN EXCLUDED.payload IS NULL THEN i.payload_key_id \
-                                         ELSE EXCLUDED.payload_key_id END, \
-                   last_error_code = EXCLUDED.last_error_code, \
-                   last_error_message = EXCLUDED.last_error_message, \
-                   last_error_safe = EXCLUDED.last_error_safe, \
-                   last_error_sealed = EXCLUDED.last_error_sealed, \
-                   last_error_key_id = EXCLUDED.last_error_key_id \
-                 WHERE i.status NOT IN ('PROCESSED', 'PERMANENT_FAILED', 'POISONED', \
-                   'MANUAL_REVIEW') \
-                 RETURNING message_id, status, processing_attempt"
-            )),
-            find_stale: audited(format!(
-                "SELECT {RECORD_COLUMNS} FROM {t} \
-                 WHERE consumer_name = $1 AND status = 'PROCESSING' \
-                   AND processing_started_at < now() - make_interval(secs => $2) \
-                 ORDER BY processing_started_at LIMIT $3"
-            )),
-            cleanup: audited(format!(
-                "DELETE FROM {t} WHERE (message_id, consumer_name) IN ( \
-                   SELECT message_id, consumer_name FROM {t} \
-                   WHERE consumer_name = $1 AND status = 'PROCESSED' \
-                     AND processed_at < now() - make_interval(secs => $2) \
-                   LIMIT $3)"
-            )),
-            // Open rows only: the partial index of open rows finds them, so the cost follows
-            // the (small) number of open rows, not the table. A RETRYABLE_FAILED row counts
-            // as unprocessed only once its retry delay ($3, seconds per attempt, the last for
-            // later attempts) has passed.
-            sample_open: audited(format!(
-                "SELECT \
-                   count(*) FILTER (WHERE status = 'PROCESSING') AS processing, \
-                   count(*) FILTER (WHERE status = 'RETRYABLE_FAILED') AS retryable_failed, \
-                   count(*) FILTER (WHERE status = 'PERMANENT_FAILED') AS permanent_failed, \
-                   count(*) FILTER (WHERE status = 'POISONED') AS poisoned, \
-                   count(*) FILTER (WHERE {stale}) AS stale_processing, \
-                   extract(epoch FROM now() - min(last_failed_at) \
-                     FILTER (WHERE status IN ('PERMANENT_FAILED', 'POISONED')))::float8 \
-                     AS parked_oldest_age, \
-                   extract(epoch FROM max({overdue}))::float8 AS oldest_unprocessed_age \
-                 FROM {t} WHERE consumer_name = $1 AND status <> 'PROCESSED'",
-                stale = stale_processing("$2"),
-                overdue = overdue_by("$3"),
-            )),
-            // Rows older than the window first: the BRIN index on processed_at reads only the
-            // old block ranges. Only when none is older does it look at all processed rows.
-            oldest_processed: audited(format!(
-                "SELECT coalesce( \
-                   (SELECT min(processed_at) FROM {t} WHERE consumer_name = $1 \
-                      AND processed_at < now() - make_interval(secs => $2)), \
-                   (SELECT min(processed_at) FROM {t} WHERE consumer_name = $1 \
-                      AND processed_at IS NOT NULL)) AS oldest, now() AS db_now"
-            )),
+            claim: audited(statements::claim(&t)),
+            lock_existing: audited(statements::lock_existing(&t)),
+            find: audited(statements::find(&t)),
+            find_payload: audited(statements::find_payload(&t)),
+            find_stored_payload: audited(statements::find_stored_payload(&t)),
+            reclaim: audited(statements::reclaim(&t)),
+            note_redeliveries: audited(statements::note_redeliveries(&t)),
+            note_confirmed_copies: audited(statements::note_confirmed_copies(&t)),
+            mark_processed: audited(statements::mark_processed(&t)),
+            record_failure: audited(statements::record_failure(&t)),
+            find_stale: audited(statements::find_stale(&t)),
+            cleanup: audited(statements::cleanup(&t)),
+            sample_open: audited(statements::sample_open(&t)),
+            oldest_processed: audited(statements::oldest_processed(&t)),
         }
+    }
+}
+
+/// The text of each of [`Sql`]'s statements, on the qualified inbox table `t`.
+mod statements {
+    use super::RECORD_COLUMNS;
+    use crate::{
+        ledger_sql::{
+            CLOSED_TO_FAILURES, PARKED, PERMANENT_FAILED, POISONED, PROCESSED, PROCESSING,
+            RETRYABLE_FAILED, Statuses, overdue_by, stale_processing,
+        },
+        status::InboxStatus,
+    };
+
+    /// One multi-row insert claims a whole batch; rows that already exist are left alone and
+    /// read (and locked) by [`lock_existing`].
+    /// The transaction's id and clock come back with it (one extra row): the id lets the caller
+    /// check before COMMIT that its transaction is still the one that claimed (a handler may
+    /// have ended or aborted it), the clock judges stale claims by the database's time, not
+    /// this host's.
+    pub(super) fn claim(t: &str) -> String {
+        format!(
+            "WITH ins AS (INSERT INTO {t} (message_id, consumer_name, message_type, message_version, \
+               aggregate_type, aggregate_id, status, processing_attempt, \
+               processing_started_at, processed_at, payload_sha256, payload, headers, \
+               correlation_id, causation_id, trace_id, tenant_id, payload_key_id) \
+             SELECT u.id, $1, u.ty, u.ver, u.agg_ty, u.agg_id, $14, 1, now(), \
+               CASE WHEN $14 = {PROCESSED} THEN now() END, \
+               u.sha, u.body, u.headers, u.corr, u.cause, u.trace, u.tenant, u.key_id \
+             FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::text[], $6::text[], \
+               $7::bytea[], $8::bytea[], $9::jsonb[], $10::text[], $11::text[], \
+               $12::text[], $13::text[], $15::text[]) \
+               AS u(id, ty, ver, agg_ty, agg_id, sha, body, headers, corr, cause, trace, tenant, \
+                    key_id) \
+             ON CONFLICT (message_id, consumer_name) DO NOTHING \
+             RETURNING message_id) \
+             SELECT message_id, NULL::int8 AS txid, NULL::timestamptz AS db_now FROM ins \
+             UNION ALL SELECT NULL, txid_current(), now()"
+        )
+    }
+
+    pub(super) fn lock_existing(t: &str) -> String {
+        format!(
+            "SELECT {RECORD_COLUMNS} FROM {t} \
+             WHERE consumer_name = $1 AND message_id = ANY($2) \
+             ORDER BY message_id FOR UPDATE"
+        )
+    }
+
+    pub(super) fn find(t: &str) -> String {
+        format!("SELECT {RECORD_COLUMNS} FROM {t} WHERE consumer_name = $1 AND message_id = $2")
+    }
+
+    pub(super) fn find_payload(t: &str) -> String {
+        format!(
+            "SELECT payload, payload_key_id, headers, payload_sha256 FROM {t} \
+             WHERE consumer_name = $1 AND message_id = $2"
+        )
+    }
+
+    pub(super) fn find_stored_payload(t: &str) -> String {
+        format!(
+            "SELECT payload, payload_key_id FROM {t} \
+             WHERE consumer_name = $1 AND message_id = $2 AND payload IS NOT NULL"
+        )
+    }
+
+    /// A row claimed by conflict: waiting for its retry, or a PROCESSING claim the caller
+    /// found stale.
+    pub(super) fn reclaim(t: &str) -> String {
+        const RECLAIMABLE: Statuses =
+            Statuses(&[InboxStatus::RetryableFailed, InboxStatus::Processing]);
+        format!(
+            "UPDATE {t} SET status = {PROCESSING}, \
+               processing_attempt = processing_attempt + 1, \
+               processing_started_at = now(), last_received_at = now() \
+             WHERE consumer_name = $1 AND message_id = ANY($2) \
+               AND status IN ({RECLAIMABLE}) \
+             RETURNING message_id, processing_attempt"
+        )
+    }
+
+    /// Grouped by key: an UPDATE changes a row once however many input rows match it, and
+    /// several copies of one key can be noted together.
+    pub(super) fn note_redeliveries(t: &str) -> String {
+        format!(
+            "UPDATE {t} AS i SET last_received_at = now(), \
+               delivery_count = i.delivery_count + u.n, \
+               payload_conflicts = i.payload_conflicts + u.conflicts, \
+               last_conflict_sha256 = coalesce(u.sha, i.last_conflict_sha256), \
+               last_conflict_at = CASE WHEN u.sha IS NULL THEN i.last_conflict_at ELSE now() END, \
+               parked_duplicates = i.parked_duplicates + u.parked, \
+               retry_duplicates = i.retry_duplicates + u.retry \
+             FROM (SELECT id, count(*)::int AS n, count(sha)::int AS conflicts, \
+                     (array_agg(sha) FILTER (WHERE sha IS NOT NULL))[1] AS sha, \
+                     count(*) FILTER (WHERE dup = 'parked')::int AS parked, \
+                     count(*) FILTER (WHERE dup = 'retry')::int AS retry \
+                   FROM UNNEST($2::text[], $3::bytea[], $4::text[]) AS x(id, sha, dup) \
+                   GROUP BY id) AS u \
+             WHERE i.consumer_name = $1 AND i.message_id = u.id"
+        )
+    }
+
+    /// One UPDATE changes a row once: a key listed twice (two copies made for one attempt) is
+    /// marked once. A NULL delay is a parking copy.
+    pub(super) fn note_confirmed_copies(t: &str) -> String {
+        format!(
+            "UPDATE {t} AS i SET \
+               parked_copy_at = CASE WHEN u.delay IS NULL THEN now() ELSE i.parked_copy_at END, \
+               retry_copy_attempt = CASE WHEN u.delay IS NULL THEN i.retry_copy_attempt \
+                                         ELSE u.attempt END, \
+               retry_due_at = CASE WHEN u.delay IS NULL THEN i.retry_due_at \
+                                   ELSE now() + make_interval(secs => u.delay) END \
+             FROM (SELECT DISTINCT ON (id) id, attempt, delay \
+                   FROM UNNEST($2::text[], $3::int4[], $4::float8[]) AS x(id, attempt, delay)) AS u \
+             WHERE i.consumer_name = $1 AND i.message_id = u.id \
+               AND i.processing_attempt = u.attempt \
+               AND CASE WHEN u.delay IS NULL \
+                        THEN i.status IN ({PARKED}) \
+                        ELSE i.status = {RETRYABLE_FAILED} END"
+        )
+    }
+
+    pub(super) fn mark_processed(t: &str) -> String {
+        format!(
+            "UPDATE {t} SET status = {PROCESSED}, processed_at = now(), \
+               payload = CASE WHEN $3 THEN payload ELSE NULL END, \
+               payload_key_id = CASE WHEN $3 THEN payload_key_id ELSE NULL END, \
+               headers = CASE WHEN $3 THEN headers ELSE '{{}}'::jsonb END \
+             WHERE consumer_name = $1 AND message_id = ANY($2) AND status = {PROCESSING}"
+        )
+    }
+
+    /// One statement records every kind of failure. It never overwrites a row
+    /// [`CLOSED_TO_FAILURES`]: PROCESSED (another copy committed the effect meanwhile: the
+    /// failure is moot) or parked (its copy is in the parking lot, and only an explicit,
+    /// audited reopen may change it; a racing retryable failure must not revive it).
+    /// Many rows at once (keys distinct): a batch's failures are one statement.
+    pub(super) fn record_failure(t: &str) -> String {
+        format!(
+            "INSERT INTO {t} AS i (message_id, consumer_name, message_type, message_version, \
+               aggregate_type, aggregate_id, status, processing_attempt, first_failed_at, \
+               last_failed_at, payload_sha256, payload, headers, last_error_code, \
+               last_error_message, correlation_id, causation_id, trace_id, tenant_id, \
+               payload_key_id, last_error_safe, last_error_sealed, last_error_key_id) \
+             SELECT u.id, $1, u.ty, u.ver, u.agg_ty, u.agg_id, \
+               CASE WHEN u.status = {RETRYABLE_FAILED} AND 1 >= $17 THEN {POISONED} \
+                    ELSE u.status END, \
+               1, now(), now(), u.sha, u.body, u.headers, u.code, u.msg, u.corr, u.cause, \
+               u.trace, u.tenant, u.key_id, u.safe, u.msg_sealed, u.msg_key_id \
+             FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::text[], $6::text[], \
+               $7::text[], $8::bytea[], $9::bytea[], $10::jsonb[], $11::text[], $12::text[], \
+               $13::text[], $14::text[], $15::text[], $16::text[], $18::text[], \
+               $19::text[], $20::bytea[], $21::text[]) \
+               AS u(id, ty, ver, agg_ty, agg_id, status, sha, body, headers, code, msg, \
+                    corr, cause, trace, tenant, key_id, safe, msg_sealed, msg_key_id) \
+             ON CONFLICT (message_id, consumer_name) DO UPDATE SET \
+               status = CASE WHEN EXCLUDED.status = {RETRYABLE_FAILED} \
+                              AND i.processing_attempt + 1 >= $17 \
+                         THEN {POISONED} ELSE EXCLUDED.status END, \
+               processing_attempt = i.processing_attempt + 1, \
+               delivery_count = i.delivery_count + 1, last_received_at = now(), \
+               first_failed_at = coalesce(i.first_failed_at, now()), \
+               last_failed_at = now(), \
+               payload = coalesce(EXCLUDED.payload, i.payload), \
+               payload_key_id = CASE WHEN EXCLUDED.payload IS NULL THEN i.payload_key_id \
+                                     ELSE EXCLUDED.payload_key_id END, \
+               last_error_code = EXCLUDED.last_error_code, \
+               last_error_message = EXCLUDED.last_error_message, \
+               last_error_safe = EXCLUDED.last_error_safe, \
+               last_error_sealed = EXCLUDED.last_error_sealed, \
+               last_error_key_id = EXCLUDED.last_error_key_id \
+             WHERE i.status NOT IN ({CLOSED_TO_FAILURES}) \
+             RETURNING message_id, status, processing_attempt"
+        )
+    }
+
+    pub(super) fn find_stale(t: &str) -> String {
+        format!(
+            "SELECT {RECORD_COLUMNS} FROM {t} \
+             WHERE consumer_name = $1 AND status = {PROCESSING} \
+               AND processing_started_at < now() - make_interval(secs => $2) \
+             ORDER BY processing_started_at LIMIT $3"
+        )
+    }
+
+    pub(super) fn cleanup(t: &str) -> String {
+        format!(
+            "DELETE FROM {t} WHERE (message_id, consumer_name) IN ( \
+               SELECT message_id, consumer_name FROM {t} \
+               WHERE consumer_name = $1 AND status = {PROCESSED} \
+                 AND processed_at < now() - make_interval(secs => $2) \
+               LIMIT $3)"
+        )
+    }
+
+    /// Open rows only: the partial index of open rows finds them, so the cost follows the
+    /// (small) number of open rows, not the table. A RETRYABLE_FAILED row counts as
+    /// unprocessed only once its retry delay ($3, seconds per attempt, the last for later
+    /// attempts) has passed. The parked age is that of the failed rows (MANUAL_REVIEW ones
+    /// are set aside by recovery, not by a failure).
+    pub(super) fn sample_open(t: &str) -> String {
+        const PARKED_BY_FAILURE: Statuses =
+            Statuses(&[InboxStatus::PermanentFailed, InboxStatus::Poisoned]);
+        format!(
+            "SELECT \
+               count(*) FILTER (WHERE status = {PROCESSING}) AS processing, \
+               count(*) FILTER (WHERE status = {RETRYABLE_FAILED}) AS retryable_failed, \
+               count(*) FILTER (WHERE status = {PERMANENT_FAILED}) AS permanent_failed, \
+               count(*) FILTER (WHERE status = {POISONED}) AS poisoned, \
+               count(*) FILTER (WHERE {stale}) AS stale_processing, \
+               extract(epoch FROM now() - min(last_failed_at) \
+                 FILTER (WHERE status IN ({PARKED_BY_FAILURE})))::float8 \
+                 AS parked_oldest_age, \
+               extract(epoch FROM max({overdue}))::float8 AS oldest_unprocessed_age \
+             FROM {t} WHERE consumer_name = $1 AND status <> {PROCESSED}",
+            stale = stale_processing("$2"),
+            overdue = overdue_by("$3"),
+        )
+    }
+
+    /// Rows older than the window first: the BRIN index on processed_at reads only the old
+    /// block ranges. Only when none is older does it look at all processed rows.
+    pub(super) fn oldest_processed(t: &str) -> String {
+        format!(
+            "SELECT coalesce( \
+               (SELECT min(processed_at) FROM {t} WHERE consumer_name = $1 \
+                  AND processed_at < now() - make_interval(secs => $2)), \
+               (SELECT min(processed_at) FROM {t} WHERE consumer_name = $1 \
+                  AND processed_at IS NOT NULL)) AS oldest, now() AS db_now"
+        )
     }
 }
 
@@ -484,6 +529,138 @@ pub struct OpenRowsSample {
     /// Seconds the oldest stuck row has been waiting: a PROCESSING row since it started, an
     /// overdue RETRYABLE_FAILED row since its retry delay ended. 0 when none is stuck.
     pub oldest_unprocessed_age: f64,
+}
+
+/// The columns a claim or a failure record writes from its envelopes, one entry per envelope
+/// in the statement's order, gathered in one pass over them.
+#[derive(Default)]
+struct EnvelopeColumns<'a> {
+    message_ids: Vec<&'a str>,
+    message_types: Vec<Cow<'a, str>>,
+    message_versions: Vec<i32>,
+    aggregate_types: Vec<Option<Cow<'a, str>>>,
+    aggregate_ids: Vec<Option<Cow<'a, str>>>,
+    payload_sha256: Vec<&'a [u8]>,
+    payloads: Vec<Option<Vec<u8>>>,
+    headers: Vec<serde_json::Value>,
+    correlation_ids: Vec<Option<Cow<'a, str>>>,
+    causation_ids: Vec<Option<Cow<'a, str>>>,
+    trace_ids: Vec<Option<Cow<'a, str>>>,
+    tenant_ids: Vec<Option<Cow<'a, str>>>,
+    payload_key_ids: Vec<Option<String>>,
+}
+
+impl<'a> EnvelopeColumns<'a> {
+    /// Adds `envelope`: its text [`storable`], its body (if `keep_body` allows one) and
+    /// headers as `store` keeps them in `phase`.
+    fn push(
+        &mut self,
+        store: &InboxStore,
+        consumer: &str,
+        envelope: &'a Envelope,
+        phase: Phase,
+        keep_body: bool,
+    ) {
+        let sealed = store.stored_body(consumer, envelope, phase, keep_body);
+        self.headers
+            .push(store.stored_headers(consumer, envelope, phase, &sealed));
+        self.payloads.push(sealed.payload);
+        self.payload_key_ids.push(sealed.key_id);
+        let text = |value: &'a Option<String>| value.as_deref().map(storable);
+        self.message_ids.push(&envelope.message_id);
+        self.message_types.push(storable(&envelope.message_type));
+        self.message_versions.push(envelope.message_version);
+        self.aggregate_types.push(text(&envelope.aggregate_type));
+        self.aggregate_ids.push(text(&envelope.aggregate_id));
+        self.payload_sha256.push(&envelope.payload_sha256);
+        self.correlation_ids.push(text(&envelope.correlation_id));
+        self.causation_ids.push(text(&envelope.causation_id));
+        self.trace_ids
+            .push(trace_id(envelope.traceparent.as_deref()).map(storable));
+        self.tenant_ids.push(text(&envelope.tenant_id));
+    }
+}
+
+/// What a failure record writes beside [`EnvelopeColumns`], one entry per failure.
+#[derive(Default)]
+struct FailureColumns<'a> {
+    statuses: Vec<&'static str>,
+    codes: Vec<Cow<'a, str>>,
+    messages: Vec<String>,
+    safe_details: Vec<Option<String>>,
+    sealed_messages: Vec<Option<Vec<u8>>>,
+    message_key_ids: Vec<Option<String>>,
+}
+
+impl<'a> FailureColumns<'a> {
+    fn push(&mut self, failure: &Failure<'a>, error: StoredError) {
+        self.statuses.push(failure.status.as_str());
+        self.codes.push(storable(failure.code));
+        self.messages.push(error.message);
+        self.safe_details.push(error.safe);
+        self.sealed_messages.push(error.sealed);
+        self.message_key_ids.push(error.key_id);
+    }
+}
+
+/// What the claim statement returned: the keys it inserted, the transaction's id and clock.
+struct InsertedRows {
+    ids: std::collections::HashSet<String>,
+    txid: i64,
+    db_now: DateTime<Utc>,
+}
+
+impl InsertedRows {
+    fn read(rows: Vec<ClaimRow>) -> Result<Self, StoreError> {
+        let mut txid = None;
+        let mut db_now = None;
+        let mut ids = std::collections::HashSet::with_capacity(rows.len());
+        for (id, tx, now) in rows {
+            match id {
+                Some(id) => {
+                    ids.insert(id);
+                }
+                None => {
+                    txid = tx;
+                    db_now = now;
+                }
+            }
+        }
+        let (Some(txid), Some(db_now)) = (txid, db_now) else {
+            return Err(StoreError::Corrupt(
+                "claim returned no transaction id".into(),
+            ));
+        };
+        Ok(Self { ids, txid, db_now })
+    }
+}
+
+/// One [`Claim`] per envelope, in order: inserted by the claim, or an `existing` row.
+fn claims_in_order(
+    envelopes: &[&Envelope],
+    inserted: &std::collections::HashSet<String>,
+    existing: &[InboxRecord],
+) -> Result<Vec<Claim>, StoreError> {
+    envelopes
+        .iter()
+        .map(|e| {
+            if inserted.contains(&e.message_id) {
+                return Ok(Claim::Claimed);
+            }
+            existing
+                .iter()
+                .find(|r| r.message_id == e.message_id)
+                .map(|r| Claim::Existing(Box::new(r.clone())))
+                // The conflicting row vanished between insert and select (cleanup ran):
+                // the caller retries the batch in a new transaction.
+                .ok_or_else(|| {
+                    StoreError::Corrupt(format!(
+                        "row {} conflicted on insert but is gone",
+                        e.message_id
+                    ))
+                })
+        })
+        .collect()
 }
 
 fn record_from_row(row: &sqlx::postgres::PgRow) -> Result<InboxRecord, StoreError> {
@@ -702,6 +879,8 @@ impl InboxStore {
         .await
     }
 
+    /// Claims `envelopes` (new rows inserted as `status`), reads and locks the rows that
+    /// existed, and returns one [`Claim`] per envelope in order.
     async fn claim(
         &self,
         conn: &mut PgConnection,
@@ -710,156 +889,50 @@ impl InboxStore {
         store_payload: bool,
         status: InboxStatus,
     ) -> Result<BatchClaim, StoreError> {
-        let mut order: Vec<usize> = (0..envelopes.len()).collect();
-        order.sort_by(|&a, &b| envelopes[a].message_id.cmp(&envelopes[b].message_id));
-        let sorted = order.iter().map(|&i| envelopes[i]);
-
         let phase = match status {
             InboxStatus::Processed => Phase::Processed,
             _ => Phase::Failed,
         };
-        let sealed: Vec<Sealed> = sorted
-            .clone()
-            .map(|e| self.stored_body(consumer, e, phase, store_payload))
-            .collect();
+        // In key order: see `try_claim_many`.
+        let mut sorted = envelopes.to_vec();
+        sorted.sort_by(|a, b| a.message_id.cmp(&b.message_id));
+        let mut columns = EnvelopeColumns::default();
+        for envelope in sorted {
+            columns.push(self, consumer, envelope, phase, store_payload);
+        }
         let rows: Vec<ClaimRow> = sqlx::query_as(self.sql.claim.clone())
             .bind(consumer)
-            .bind(
-                sorted
-                    .clone()
-                    .map(|e| e.message_id.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sorted
-                    .clone()
-                    .map(|e| storable(&e.message_type))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sorted
-                    .clone()
-                    .map(|e| e.message_version)
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sorted
-                    .clone()
-                    .map(|e| e.aggregate_type.as_deref().map(storable))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sorted
-                    .clone()
-                    .map(|e| e.aggregate_id.as_deref().map(storable))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sorted
-                    .clone()
-                    .map(|e| &e.payload_sha256[..])
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sealed
-                    .iter()
-                    .map(|s| s.payload.as_deref())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sorted
-                    .clone()
-                    .zip(&sealed)
-                    .map(|(e, s)| self.stored_headers(consumer, e, phase, s))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sorted
-                    .clone()
-                    .map(|e| e.correlation_id.as_deref().map(storable))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sorted
-                    .clone()
-                    .map(|e| e.causation_id.as_deref().map(storable))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sorted
-                    .clone()
-                    .map(|e| trace_id(e.traceparent.as_deref()).map(storable))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sorted
-                    .map(|e| e.tenant_id.as_deref().map(storable))
-                    .collect::<Vec<_>>(),
-            )
+            .bind(columns.message_ids)
+            .bind(columns.message_types)
+            .bind(columns.message_versions)
+            .bind(columns.aggregate_types)
+            .bind(columns.aggregate_ids)
+            .bind(columns.payload_sha256)
+            .bind(columns.payloads)
+            .bind(columns.headers)
+            .bind(columns.correlation_ids)
+            .bind(columns.causation_ids)
+            .bind(columns.trace_ids)
+            .bind(columns.tenant_ids)
             .bind(status.as_str())
-            .bind(
-                sealed
-                    .iter()
-                    .map(|s| s.key_id.as_deref())
-                    .collect::<Vec<_>>(),
-            )
+            .bind(columns.payload_key_ids)
             .fetch_all(&mut *conn)
             .await?;
-
-        let mut txid = None;
-        let mut db_now = None;
-        let mut inserted = std::collections::HashSet::with_capacity(rows.len());
-        for (id, tx, now) in rows {
-            match id {
-                Some(id) => {
-                    inserted.insert(id);
-                }
-                None => {
-                    txid = tx;
-                    db_now = now;
-                }
-            }
-        }
-        let (Some(txid), Some(db_now)) = (txid, db_now) else {
-            return Err(StoreError::Corrupt(
-                "claim returned no transaction id".into(),
-            ));
-        };
+        let inserted = InsertedRows::read(rows)?;
         let existing_ids: Vec<&str> = envelopes
             .iter()
             .map(|e| e.message_id.as_str())
-            .filter(|id| !inserted.contains(*id))
+            .filter(|id| !inserted.ids.contains(*id))
             .collect();
         let existing = if existing_ids.is_empty() {
             Vec::new()
         } else {
             self.lock_rows(conn, consumer, &existing_ids).await?
         };
-
-        let claims = envelopes
-            .iter()
-            .map(|e| {
-                if inserted.contains(&e.message_id) {
-                    return Ok(Claim::Claimed);
-                }
-                existing
-                    .iter()
-                    .find(|r| r.message_id == e.message_id)
-                    .map(|r| Claim::Existing(Box::new(r.clone())))
-                    // The conflicting row vanished between insert and select (cleanup ran):
-                    // the caller retries the batch in a new transaction.
-                    .ok_or_else(|| {
-                        StoreError::Corrupt(format!(
-                            "row {} conflicted on insert but is gone",
-                            e.message_id
-                        ))
-                    })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
         Ok(BatchClaim {
-            claims,
-            txid,
-            db_now,
+            claims: claims_in_order(envelopes, &inserted.ids, &existing)?,
+            txid: inserted.txid,
+            db_now: inserted.db_now,
         })
     }
 
@@ -1127,106 +1200,41 @@ impl InboxStore {
         max_attempts: i32,
         failures: &[(&Envelope, Failure<'_>)],
     ) -> Result<Vec<Option<(InboxStatus, i32)>>, StoreError> {
-        let column = |f: &dyn Fn(&Envelope, &Failure<'_>) -> Option<String>| {
-            failures.iter().map(|(e, x)| f(e, x)).collect::<Vec<_>>()
-        };
-        let sealed: Vec<Sealed> = failures
-            .iter()
-            .map(|(e, f)| self.stored_body(consumer, e, Phase::Failed, f.store_payload))
-            .collect();
-        let errors: Vec<StoredError> = failures
-            .iter()
-            .map(|(e, f)| self.stored_error(consumer, e, f.message, f.safe_detail))
-            .collect();
+        let mut columns = EnvelopeColumns::default();
+        let mut failed = FailureColumns::default();
+        for (envelope, failure) in failures {
+            columns.push(
+                self,
+                consumer,
+                envelope,
+                Phase::Failed,
+                failure.store_payload,
+            );
+            let error = self.stored_error(consumer, envelope, failure.message, failure.safe_detail);
+            failed.push(failure, error);
+        }
         let rows = sqlx::query(self.sql.record_failure.clone())
             .bind(consumer)
-            .bind(
-                failures
-                    .iter()
-                    .map(|(e, _)| e.message_id.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(column(&|e, _| Some(storable(&e.message_type).into_owned())))
-            .bind(
-                failures
-                    .iter()
-                    .map(|(e, _)| e.message_version)
-                    .collect::<Vec<_>>(),
-            )
-            .bind(column(&|e, _| {
-                e.aggregate_type
-                    .as_deref()
-                    .map(|t| storable(t).into_owned())
-            }))
-            .bind(column(&|e, _| {
-                e.aggregate_id.as_deref().map(|t| storable(t).into_owned())
-            }))
-            .bind(
-                failures
-                    .iter()
-                    .map(|(_, f)| f.status.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                failures
-                    .iter()
-                    .map(|(e, _)| &e.payload_sha256[..])
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                sealed
-                    .iter()
-                    .map(|s| s.payload.as_deref())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                failures
-                    .iter()
-                    .zip(&sealed)
-                    .map(|((e, _), s)| self.stored_headers(consumer, e, Phase::Failed, s))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(column(&|_, f| Some(storable(f.code).into_owned())))
-            .bind(
-                errors
-                    .iter()
-                    .map(|e| e.message.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(column(&|e, _| {
-                e.correlation_id
-                    .as_deref()
-                    .map(|t| storable(t).into_owned())
-            }))
-            .bind(column(&|e, _| {
-                e.causation_id.as_deref().map(|t| storable(t).into_owned())
-            }))
-            .bind(column(&|e, _| {
-                trace_id(e.traceparent.as_deref()).map(|t| storable(t).into_owned())
-            }))
-            .bind(column(&|e, _| {
-                e.tenant_id.as_deref().map(|t| storable(t).into_owned())
-            }))
+            .bind(columns.message_ids)
+            .bind(columns.message_types)
+            .bind(columns.message_versions)
+            .bind(columns.aggregate_types)
+            .bind(columns.aggregate_ids)
+            .bind(failed.statuses)
+            .bind(columns.payload_sha256)
+            .bind(columns.payloads)
+            .bind(columns.headers)
+            .bind(failed.codes)
+            .bind(failed.messages)
+            .bind(columns.correlation_ids)
+            .bind(columns.causation_ids)
+            .bind(columns.trace_ids)
+            .bind(columns.tenant_ids)
             .bind(max_attempts)
-            .bind(
-                sealed
-                    .iter()
-                    .map(|s| s.key_id.as_deref())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(errors.iter().map(|e| e.safe.as_deref()).collect::<Vec<_>>())
-            .bind(
-                errors
-                    .iter()
-                    .map(|e| e.sealed.as_deref())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                errors
-                    .iter()
-                    .map(|e| e.key_id.as_deref())
-                    .collect::<Vec<_>>(),
-            )
+            .bind(columns.payload_key_ids)
+            .bind(failed.safe_details)
+            .bind(failed.sealed_messages)
+            .bind(failed.message_key_ids)
             .fetch_all(conn)
             .await?;
         let mut recorded = std::collections::HashMap::with_capacity(rows.len());

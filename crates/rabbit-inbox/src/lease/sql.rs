@@ -8,10 +8,13 @@ use sqlx::{PgConnection, PgPool, Row, SqlStr};
 
 use crate::{
     error::StoreError,
+    ledger_sql::{
+        POISONED, PROCESSED, PROCESSING, RETRYABLE_FAILED, audited, stale_processing, tables,
+    },
     privacy::StoredError,
     schema::SchemaName,
     status::InboxStatus,
-    store::{audited, storable},
+    store::storable,
 };
 
 #[derive(Debug)]
@@ -40,52 +43,57 @@ impl LockedRow {
 }
 
 /// The fencing condition every write of a lease holder carries.
-const HELD: &str = "consumer_name = $1 AND message_id = $2 AND fencing_token = $3 \
-                    AND lease_owner = $4 AND status = 'PROCESSING'";
+fn held() -> String {
+    format!(
+        "consumer_name = $1 AND message_id = $2 AND fencing_token = $3 \
+         AND lease_owner = $4 AND status = {PROCESSING}"
+    )
+}
 
 impl LeaseSql {
     pub(crate) fn new(schema: &SchemaName) -> Self {
-        let t = schema.qualify("message_inbox");
+        let t = schema.qualify(tables::MESSAGE_INBOX);
+        let held = held();
         Self {
             // A new row (inserted by this transaction: $5), a RETRYABLE_FAILED one, or a
             // PROCESSING one whose lease expired (or that has no lease and is older than the
             // stale threshold $6): this worker's now, under the next token.
             take: audited(format!(
-                "UPDATE {t} SET status = 'PROCESSING', \
+                "UPDATE {t} SET status = {PROCESSING}, \
                    processing_attempt = processing_attempt + CASE WHEN $5 THEN 0 ELSE 1 END, \
                    processing_started_at = now(), last_received_at = now(), \
                    lease_owner = $3, lease_expires_at = now() + make_interval(secs => $4), \
                    fencing_token = coalesce(fencing_token, 0) + 1 \
                  WHERE consumer_name = $1 AND message_id = $2 \
-                   AND ($5 OR status = 'RETRYABLE_FAILED' OR {stale}) \
+                   AND ($5 OR status = {RETRYABLE_FAILED} OR {stale}) \
                  RETURNING processing_attempt, fencing_token",
-                stale = crate::store::stale_processing("$6"),
+                stale = stale_processing("$6"),
             )),
             renew: audited(format!(
-                "UPDATE {t} SET lease_expires_at = now() + make_interval(secs => $5) WHERE {HELD}"
+                "UPDATE {t} SET lease_expires_at = now() + make_interval(secs => $5) WHERE {held}"
             )),
             lock: audited(format!(
                 "SELECT fencing_token, lease_owner, status, txid_current() AS txid FROM {t} \
                  WHERE consumer_name = $1 AND message_id = $2 FOR UPDATE"
             )),
             complete: audited(format!(
-                "UPDATE {t} SET status = 'PROCESSED', processed_at = now(), \
+                "UPDATE {t} SET status = {PROCESSED}, processed_at = now(), \
                    lease_owner = NULL, lease_expires_at = NULL, \
                    payload = CASE WHEN $5 THEN payload ELSE NULL END \
-                 WHERE {HELD}"
+                 WHERE {held}"
             )),
             // The claim counted the attempt already, so the budget is spent when the attempt
             // number reaches it.
             fail: audited(format!(
                 "UPDATE {t} SET \
-                   status = CASE WHEN $5 = 'RETRYABLE_FAILED' AND processing_attempt >= $8 \
-                            THEN 'POISONED' ELSE $5 END, \
+                   status = CASE WHEN $5 = {RETRYABLE_FAILED} AND processing_attempt >= $8 \
+                            THEN {POISONED} ELSE $5 END, \
                    first_failed_at = coalesce(first_failed_at, now()), last_failed_at = now(), \
                    last_error_code = $6, last_error_message = $7, last_error_safe = $10, \
                    last_error_sealed = $11, last_error_key_id = $12, \
                    lease_owner = NULL, lease_expires_at = NULL, \
                    payload = CASE WHEN $9 THEN payload ELSE NULL END \
-                 WHERE {HELD} \
+                 WHERE {held} \
                  RETURNING status, processing_attempt"
             )),
         }

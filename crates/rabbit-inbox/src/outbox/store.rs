@@ -9,7 +9,11 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::{PgConnection, Row, SqlStr, postgres::PgRow};
 
-use crate::{error::StoreError, schema::SchemaName, store::audited};
+use crate::{
+    error::StoreError,
+    ledger_sql::{audited, tables},
+    schema::SchemaName,
+};
 
 /// Status of an outbox row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -202,108 +206,142 @@ const RECORD_COLUMNS: &str = "seq, message_id, status, message_type, exchange, r
 
 impl Sql {
     fn new(schema: &SchemaName) -> Self {
-        let t = schema.qualify("outbox");
-        let stream = schema.qualify("outbox_stream");
+        let t = schema.qualify(tables::OUTBOX);
+        let stream = schema.qualify(tables::OUTBOX_STREAM);
         Sql {
-            // An ordered row takes the next position of its key under the key's row lock,
-            // held until this transaction ends: positions follow commit order per key, and
-            // a rolled-back transaction gives its position back. A row whose id exists (a
-            // replay of the handler) takes no position and is skipped. The NOTIFY is a
-            // hint; PostgreSQL folds identical ones of a transaction into one at commit.
-            enqueue: audited(format!(
-                "WITH position AS ( \
-                   INSERT INTO {stream} AS s (ordering_key, last_position) \
-                   SELECT $8, 1 WHERE $8::text IS NOT NULL \
-                     AND NOT EXISTS (SELECT 1 FROM {t} WHERE message_id = $1) \
-                   ON CONFLICT (ordering_key) DO UPDATE SET last_position = s.last_position + 1 \
-                   RETURNING last_position), \
-                 inserted AS ( \
-                   INSERT INTO {t} (message_id, exchange, routing_key, message_type, \
-                     message_version, aggregate_type, aggregate_id, ordering_key, stream_position, \
-                     correlation_id, causation_id, traceparent, tracestate, headers, content_type, \
-                     payload) \
-                   SELECT $1, $2, $3, $4, $5, $6, $7, (SELECT $8::text FROM position), \
-                     (SELECT last_position FROM position), $9, $10, $11, $12, $13, $14, $15 \
-                   ON CONFLICT (message_id) DO NOTHING \
-                   RETURNING seq) \
-                 SELECT i.seq, (SELECT count(*) FROM (SELECT pg_notify($17, '')) n WHERE $16) \
-                   AS notified \
-                 FROM inserted i"
-            )),
-            // Pending rows whose lease is free; an ordered row only when the nearest earlier
-            // row of its key is SENT (or there is none left), so one key is published one
-            // message at a time, in order. Nearest, not "position - 1": positions can have
-            // gaps (a duplicate id enqueued by two transactions at once takes a position and
-            // then no row), and a row past a gap must still wait for the rows before it. One
-            // backward step on the (ordering_key, stream_position) index; by induction every
-            // earlier row is then SENT too (retention removes only SENT rows).
-            // No read position by seq: a transaction that commits after a later seq is
-            // claimed like any other row, never skipped. SKIP LOCKED and the lease re-check
-            // on a row another relay just claimed keep two relays from claiming one row.
-            claim: audited(format!(
-                "WITH picked AS ( \
-                   SELECT o.seq FROM {t} o \
-                   WHERE o.status = 'PENDING' AND o.next_attempt_at <= now() \
-                     AND (o.lease_until IS NULL OR o.lease_until < now()) \
-                     AND (o.ordering_key IS NULL OR coalesce(( \
-                       SELECT p.status FROM {t} p WHERE p.ordering_key = o.ordering_key \
-                         AND p.stream_position < o.stream_position \
-                       ORDER BY p.stream_position DESC LIMIT 1), 'SENT') = 'SENT') \
-                   ORDER BY o.seq LIMIT $1 \
-                   FOR UPDATE OF o SKIP LOCKED) \
-                 UPDATE {t} o SET lease_owner = $2, lease_epoch = o.lease_epoch + 1, \
-                   lease_until = now() + $3 * interval '1 millisecond' \
-                 FROM picked WHERE o.seq = picked.seq \
-                 RETURNING o.seq, o.lease_epoch, o.message_id, o.exchange, o.routing_key, \
-                   o.message_type, o.message_version, o.aggregate_type, o.aggregate_id, \
-                   o.correlation_id, o.causation_id, o.traceparent, o.tracestate, o.headers, \
-                   o.content_type, o.payload, o.ordering_key IS NOT NULL AS ordered, \
-                   extract(epoch FROM now() - o.enqueued_at)::float8 AS age_secs"
-            )),
-            // Only under the claim's fencing token: a relay whose lease expired and was taken
-            // over changes nothing.
-            settle: audited(format!(
-                "UPDATE {t} o SET \
-                   status = CASE WHEN c.kind = 'sent' THEN 'SENT' \
-                     WHEN c.kind = 'give_up' OR (c.kind = 'charge' AND o.attempts + 1 >= $6) \
-                       THEN 'FAILED' ELSE 'PENDING' END, \
-                   sent_at = CASE WHEN c.kind = 'sent' THEN now() END, \
-                   attempts = o.attempts + CASE WHEN c.kind IN ('charge', 'give_up') THEN 1 ELSE 0 END, \
-                   next_attempt_at = CASE c.kind \
-                     WHEN 'charge' THEN now() + least($8::float8, \
-                       $7::float8 * power(2::float8, least(o.attempts, 40))) * interval '1 millisecond' \
-                     WHEN 'release' THEN now() + $9::float8 * interval '1 millisecond' \
-                     ELSE o.next_attempt_at END, \
-                   last_error_code = CASE WHEN c.kind = 'sent' THEN o.last_error_code ELSE c.code END, \
-                   last_error = CASE WHEN c.kind = 'sent' THEN o.last_error ELSE c.error END, \
-                   lease_owner = NULL, lease_until = NULL \
-                 FROM UNNEST($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[]) \
-                   AS c(seq, epoch, kind, code, error) \
-                 WHERE o.seq = c.seq AND o.lease_epoch = c.epoch AND o.status = 'PENDING' \
-                 RETURNING o.seq"
-            )),
-            summary: audited(format!(
-                "SELECT (SELECT count(*) FROM {t} WHERE status = 'PENDING') AS pending, \
-                   (SELECT count(*) FROM {t} WHERE status = 'PENDING' AND lease_until > now()) AS leased, \
-                   (SELECT count(*) FROM {t} WHERE status = 'FAILED') AS failed, \
-                   (SELECT extract(epoch FROM now() - min(enqueued_at))::float8 FROM {t} \
-                     WHERE status = 'PENDING') AS oldest"
-            )),
-            list: audited(format!(
-                "SELECT {RECORD_COLUMNS} FROM {t} WHERE status = ANY($1) ORDER BY seq LIMIT $2"
-            )),
-            requeue_failed: audited(format!(
-                "UPDATE {t} SET status = 'PENDING', attempts = 0, next_attempt_at = now() \
-                 WHERE status = 'FAILED' AND ($1::text[] IS NULL OR message_id = ANY($1))"
-            )),
-            pending_for_exchange: audited(format!(
-                "SELECT count(*) FROM {t} WHERE status = 'PENDING' AND exchange = $1"
-            )),
-            cleanup: audited(format!(
-                "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} WHERE status = 'SENT' \
-                   AND sent_at < now() - $1::float8 * interval '1 millisecond' LIMIT $2)"
-            )),
+            enqueue: audited(statements::enqueue(&t, &stream)),
+            claim: audited(statements::claim(&t)),
+            settle: audited(statements::settle(&t)),
+            summary: audited(statements::summary(&t)),
+            list: audited(statements::list(&t)),
+            requeue_failed: audited(statements::requeue_failed(&t)),
+            pending_for_exchange: audited(statements::pending_for_exchange(&t)),
+            cleanup: audited(statements::cleanup(&t)),
         }
+    }
+}
+
+/// The text of each of [`Sql`]'s statements, on the qualified outbox table `t` (and `stream`,
+/// its ordering keys' last positions).
+mod statements {
+    use super::RECORD_COLUMNS;
+
+    /// An ordered row takes the next position of its key under the key's row lock,
+    /// held until this transaction ends: positions follow commit order per key, and
+    /// a rolled-back transaction gives its position back. A row whose id exists (a
+    /// replay of the handler) takes no position and is skipped. The NOTIFY is a
+    /// hint; PostgreSQL folds identical ones of a transaction into one at commit.
+    pub(super) fn enqueue(t: &str, stream: &str) -> String {
+        format!(
+            "WITH position AS ( \
+               INSERT INTO {stream} AS s (ordering_key, last_position) \
+               SELECT $8, 1 WHERE $8::text IS NOT NULL \
+                 AND NOT EXISTS (SELECT 1 FROM {t} WHERE message_id = $1) \
+               ON CONFLICT (ordering_key) DO UPDATE SET last_position = s.last_position + 1 \
+               RETURNING last_position), \
+             inserted AS ( \
+               INSERT INTO {t} (message_id, exchange, routing_key, message_type, \
+                 message_version, aggregate_type, aggregate_id, ordering_key, stream_position, \
+                 correlation_id, causation_id, traceparent, tracestate, headers, content_type, \
+                 payload) \
+               SELECT $1, $2, $3, $4, $5, $6, $7, (SELECT $8::text FROM position), \
+                 (SELECT last_position FROM position), $9, $10, $11, $12, $13, $14, $15 \
+               ON CONFLICT (message_id) DO NOTHING \
+               RETURNING seq) \
+             SELECT i.seq, (SELECT count(*) FROM (SELECT pg_notify($17, '')) n WHERE $16) \
+               AS notified \
+             FROM inserted i"
+        )
+    }
+
+    /// Pending rows whose lease is free; an ordered row only when the nearest earlier
+    /// row of its key is SENT (or there is none left), so one key is published one
+    /// message at a time, in order. Nearest, not "position - 1": positions can have
+    /// gaps (a duplicate id enqueued by two transactions at once takes a position and
+    /// then no row), and a row past a gap must still wait for the rows before it. One
+    /// backward step on the (ordering_key, stream_position) index; by induction every
+    /// earlier row is then SENT too (retention removes only SENT rows).
+    /// No read position by seq: a transaction that commits after a later seq is
+    /// claimed like any other row, never skipped. SKIP LOCKED and the lease re-check
+    /// on a row another relay just claimed keep two relays from claiming one row.
+    pub(super) fn claim(t: &str) -> String {
+        format!(
+            "WITH picked AS ( \
+               SELECT o.seq FROM {t} o \
+               WHERE o.status = 'PENDING' AND o.next_attempt_at <= now() \
+                 AND (o.lease_until IS NULL OR o.lease_until < now()) \
+                 AND (o.ordering_key IS NULL OR coalesce(( \
+                   SELECT p.status FROM {t} p WHERE p.ordering_key = o.ordering_key \
+                     AND p.stream_position < o.stream_position \
+                   ORDER BY p.stream_position DESC LIMIT 1), 'SENT') = 'SENT') \
+               ORDER BY o.seq LIMIT $1 \
+               FOR UPDATE OF o SKIP LOCKED) \
+             UPDATE {t} o SET lease_owner = $2, lease_epoch = o.lease_epoch + 1, \
+               lease_until = now() + $3 * interval '1 millisecond' \
+             FROM picked WHERE o.seq = picked.seq \
+             RETURNING o.seq, o.lease_epoch, o.message_id, o.exchange, o.routing_key, \
+               o.message_type, o.message_version, o.aggregate_type, o.aggregate_id, \
+               o.correlation_id, o.causation_id, o.traceparent, o.tracestate, o.headers, \
+               o.content_type, o.payload, o.ordering_key IS NOT NULL AS ordered, \
+               extract(epoch FROM now() - o.enqueued_at)::float8 AS age_secs"
+        )
+    }
+
+    /// Only under the claim's fencing token: a relay whose lease expired and was taken
+    /// over changes nothing.
+    pub(super) fn settle(t: &str) -> String {
+        format!(
+            "UPDATE {t} o SET \
+               status = CASE WHEN c.kind = 'sent' THEN 'SENT' \
+                 WHEN c.kind = 'give_up' OR (c.kind = 'charge' AND o.attempts + 1 >= $6) \
+                   THEN 'FAILED' ELSE 'PENDING' END, \
+               sent_at = CASE WHEN c.kind = 'sent' THEN now() END, \
+               attempts = o.attempts + CASE WHEN c.kind IN ('charge', 'give_up') THEN 1 ELSE 0 END, \
+               next_attempt_at = CASE c.kind \
+                 WHEN 'charge' THEN now() + least($8::float8, \
+                   $7::float8 * power(2::float8, least(o.attempts, 40))) * interval '1 millisecond' \
+                 WHEN 'release' THEN now() + $9::float8 * interval '1 millisecond' \
+                 ELSE o.next_attempt_at END, \
+               last_error_code = CASE WHEN c.kind = 'sent' THEN o.last_error_code ELSE c.code END, \
+               last_error = CASE WHEN c.kind = 'sent' THEN o.last_error ELSE c.error END, \
+               lease_owner = NULL, lease_until = NULL \
+             FROM UNNEST($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[]) \
+               AS c(seq, epoch, kind, code, error) \
+             WHERE o.seq = c.seq AND o.lease_epoch = c.epoch AND o.status = 'PENDING' \
+             RETURNING o.seq"
+        )
+    }
+
+    pub(super) fn summary(t: &str) -> String {
+        format!(
+            "SELECT (SELECT count(*) FROM {t} WHERE status = 'PENDING') AS pending, \
+               (SELECT count(*) FROM {t} WHERE status = 'PENDING' AND lease_until > now()) AS leased, \
+               (SELECT count(*) FROM {t} WHERE status = 'FAILED') AS failed, \
+               (SELECT extract(epoch FROM now() - min(enqueued_at))::float8 FROM {t} \
+                 WHERE status = 'PENDING') AS oldest"
+        )
+    }
+
+    pub(super) fn list(t: &str) -> String {
+        format!("SELECT {RECORD_COLUMNS} FROM {t} WHERE status = ANY($1) ORDER BY seq LIMIT $2")
+    }
+
+    pub(super) fn requeue_failed(t: &str) -> String {
+        format!(
+            "UPDATE {t} SET status = 'PENDING', attempts = 0, next_attempt_at = now() \
+             WHERE status = 'FAILED' AND ($1::text[] IS NULL OR message_id = ANY($1))"
+        )
+    }
+
+    pub(super) fn pending_for_exchange(t: &str) -> String {
+        format!("SELECT count(*) FROM {t} WHERE status = 'PENDING' AND exchange = $1")
+    }
+
+    pub(super) fn cleanup(t: &str) -> String {
+        format!(
+            "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} WHERE status = 'SENT' \
+               AND sent_at < now() - $1::float8 * interval '1 millisecond' LIMIT $2)"
+        )
     }
 }
 

@@ -21,6 +21,8 @@ const LAYERS: &[&str] = &[
     "schema",
     // The state machine's vocabulary.
     "status",
+    // Its words as SQL: the ledger's tables, status sets and shared conditions.
+    "ledger_sql",
     // What a message is, what is kept of it, what is counted.
     "dedup",
     "roles",
