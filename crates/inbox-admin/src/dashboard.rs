@@ -1,6 +1,7 @@
-//! The console: one HTML page, its script and style sheet, and the chart library it draws with
-//! (uPlot, vendored under `assets/vendor/uplot`), all compiled into the binary: the page loads
-//! nothing from elsewhere, so it works on a server without internet access.
+//! The console: one HTML page, its script (ES modules under `assets/js`, loaded by the browser
+//! as they are: no build step), its style sheet, and the chart library it draws with (uPlot,
+//! vendored under `assets/vendor/uplot`), all compiled into the binary: the page loads nothing
+//! from elsewhere, so it works on a server without internet access.
 //! The page holds no data; it calls the JSON API with the token the operator enters (kept in
 //! the browser tab's sessionStorage), so it needs no token itself.
 //!
@@ -9,10 +10,42 @@
 //! this origin, no framing and no form posted elsewhere: an injected string, were one ever
 //! written as HTML, could neither run nor send the token away.
 
-use axum::{http::header, response::IntoResponse};
+use axum::{
+    extract::Path,
+    http::header,
+    response::{IntoResponse, Response},
+};
+
+use crate::error::ApiError;
 
 const INDEX: &str = include_str!("../assets/index.html");
-const SCRIPT: &str = include_str!("../assets/app.js");
+/// The script's modules by file name, served under `/assets/js/`: the page loads `main.js`,
+/// which imports the others.
+const MODULES: [(&str, &str); 14] = [
+    ("main.js", include_str!("../assets/js/main.js")),
+    ("api.js", include_str!("../assets/js/api.js")),
+    ("bulk.js", include_str!("../assets/js/bulk.js")),
+    ("charts.js", include_str!("../assets/js/charts.js")),
+    ("dom.js", include_str!("../assets/js/dom.js")),
+    (
+        "edit-replay.js",
+        include_str!("../assets/js/edit-replay.js"),
+    ),
+    ("format.js", include_str!("../assets/js/format.js")),
+    (
+        "group-redrive.js",
+        include_str!("../assets/js/group-redrive.js"),
+    ),
+    ("message.js", include_str!("../assets/js/message.js")),
+    ("overview.js", include_str!("../assets/js/overview.js")),
+    ("page-error.js", include_str!("../assets/js/page-error.js")),
+    (
+        "redrive-report.js",
+        include_str!("../assets/js/redrive-report.js"),
+    ),
+    ("search.js", include_str!("../assets/js/search.js")),
+    ("statuses.js", include_str!("../assets/js/statuses.js")),
+];
 const STYLE: &str = include_str!("../assets/app.css");
 const CHART_SCRIPT: &str = include_str!("../assets/vendor/uplot/uPlot.iife.min.js");
 const CHART_STYLE: &str = include_str!("../assets/vendor/uplot/uPlot.min.css");
@@ -40,8 +73,13 @@ pub(crate) async fn index() -> impl IntoResponse {
     (headers("text/html; charset=utf-8"), INDEX)
 }
 
-pub(crate) async fn script() -> impl IntoResponse {
-    (headers("text/javascript; charset=utf-8"), SCRIPT)
+/// One of the script's modules, as JavaScript (a browser runs a module only with a
+/// JavaScript content type).
+pub(crate) async fn module(Path(name): Path<String>) -> Response {
+    match MODULES.iter().find(|(file, _)| *file == name) {
+        Some((_, text)) => (headers("text/javascript; charset=utf-8"), *text).into_response(),
+        None => ApiError::not_found(format!("no console module {name:?}")).into_response(),
+    }
 }
 
 pub(crate) async fn style() -> impl IntoResponse {
@@ -79,7 +117,42 @@ mod tests {
             assert!(handler.is_none(), "inline event handler: <{open}>");
         }
         assert!(!page.contains("javascript:"), "javascript: URL");
-        assert!(!SCRIPT.contains("innerHTML") && !SCRIPT.contains("eval("));
+        for (file, text) in MODULES {
+            assert!(
+                !text.contains("innerHTML") && !text.contains("eval("),
+                "{file} writes HTML or runs strings"
+            );
+        }
+    }
+
+    /// Every module in `assets/js` is served, and every module imported is one of them.
+    #[test]
+    fn every_module_is_served_and_every_import_resolves() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/assets/js");
+        let mut on_disk: Vec<String> = std::fs::read_dir(dir)
+            .expect("the modules' directory")
+            .map(|entry| {
+                entry
+                    .expect("an entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        on_disk.sort();
+        let mut served: Vec<String> = MODULES.iter().map(|(file, _)| (*file).to_owned()).collect();
+        served.sort();
+        assert_eq!(served, on_disk, "MODULES lists the files of assets/js");
+        for (file, text) in MODULES {
+            for import in text.split(" from \"./").skip(1) {
+                let imported = import.split_once('"').expect("a closed string").0;
+                assert!(
+                    MODULES.iter().any(|(f, _)| *f == imported),
+                    "{file} imports {imported}, which is not served"
+                );
+            }
+        }
+        assert!(INDEX.contains("<script type=\"module\" src=\"/assets/js/main.js\">"));
     }
 
     /// The chart library runs under the same policy: no code built from strings, no style

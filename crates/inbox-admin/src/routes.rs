@@ -130,7 +130,7 @@ pub(crate) fn router(
             }),
         )
         .route("/", get(dashboard::index))
-        .route("/assets/app.js", get(dashboard::script))
+        .route("/assets/js/{module}", get(dashboard::module))
         .route("/assets/app.css", get(dashboard::style))
         .route("/assets/uplot.js", get(dashboard::chart_script))
         .route("/assets/uplot.css", get(dashboard::chart_style))

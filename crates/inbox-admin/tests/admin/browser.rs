@@ -1,14 +1,17 @@
 //! The browser side of the console tests: chromedriver on a free port, a headless Chromium
-//! session at a given window size, waiting for text, and screenshots under
-//! `target/console-screenshots/`.
+//! session at a given window size, waiting for text, the page's script errors, and screenshots
+//! under `target/console-screenshots/`.
 
 use std::{
     path::{Path, PathBuf},
+    str::FromStr,
     time::Duration,
 };
 
-use fantoccini::{Client, ClientBuilder, Locator};
+use axum::http::Method;
+use fantoccini::{Client, ClientBuilder, Locator, wd::WebDriverCompatibleCommand};
 use inbox_testkit::env::{DEADLINE, wait_for};
+use reqwest::Url;
 
 use crate::util::{LocalProcess, TempDir};
 
@@ -71,6 +74,27 @@ pub(crate) async fn wait_for_text(client: &Client, css: &str, want: &str) -> Str
     }
 }
 
+/// chromedriver's command reading the browser's console log (and emptying it).
+#[derive(Debug)]
+struct BrowserLog;
+
+impl WebDriverCompatibleCommand for BrowserLog {
+    fn endpoint(
+        &self,
+        base_url: &Url,
+        session_id: Option<&str>,
+    ) -> Result<Url, <Url as FromStr>::Err> {
+        base_url.join(&format!(
+            "session/{}/se/log",
+            session_id.unwrap_or_default()
+        ))
+    }
+
+    fn method_and_body(&self, _: &Url) -> (Method, Option<String>) {
+        (Method::POST, Some(r#"{"type":"browser"}"#.to_owned()))
+    }
+}
+
 /// A headless Chromium session driven through its own chromedriver, with its own profile;
 /// `None` (after saying what is missing, which fails the run under
 /// `RABBIT_INBOX_REQUIRE_ALL`) when Chromium or chromedriver is not installed. The fields drop
@@ -104,7 +128,9 @@ impl Browser {
                     format!("--window-size={width},{height}"),
                     format!("--user-data-dir={}", profile.0.display()),
                 ],
-            }
+            },
+            // The page's console errors, read by `assert_no_script_errors`.
+            "goog:loggingPrefs": { "browser": "SEVERE" },
         });
         let serde_json::Value::Object(capabilities) = capabilities else {
             unreachable!("an object literal");
@@ -145,6 +171,28 @@ impl Browser {
             .unwrap_or_else(|e| panic!("{css} appears: {e}"));
         field.clear().await.expect("clearing a field");
         field.send_keys(text).await.expect("typing");
+    }
+
+    /// Fails on any error the page's script raised or logged since the last call: an exception,
+    /// a module that did not load, a policy violation. A refused API call is not one (the page
+    /// shows it on its error line), but an asset that did not load is.
+    pub(crate) async fn assert_no_script_errors(&self) {
+        let log = self
+            .client
+            .issue_cmd(BrowserLog)
+            .await
+            .expect("the browser's log");
+        let errors: Vec<&str> = log
+            .as_array()
+            .expect("log entries")
+            .iter()
+            .filter(|entry| {
+                let message = entry["message"].as_str().unwrap_or_default();
+                entry["source"] != "network" || message.contains("/assets/")
+            })
+            .map(|entry| entry["message"].as_str().unwrap_or_default())
+            .collect();
+        assert!(errors.is_empty(), "the page's script failed: {errors:#?}");
     }
 
     /// Saves a screenshot of the window as `target/console-screenshots/<name>.png`; returns

@@ -118,6 +118,7 @@ async fn an_operators_night_in_the_console() {
     assert!(figures.contains("PERMANENT_FAILED 3"), "{figures}");
     wait_for_text(client, "#failures tbody", CAPTURE_TYPE).await;
     browser.screenshot("overview-desktop").await;
+    browser.assert_no_script_errors().await;
 
     // The charts move while the consumer processes: twenty more orders, seen on the next
     // live refresh without touching the page; the depth chart keeps its samples.
@@ -292,6 +293,7 @@ async fn an_operators_night_in_the_console() {
     })
     .await;
     browser.screenshot("overview-laptop").await;
+    browser.assert_no_script_errors().await;
 
     browser
         .client

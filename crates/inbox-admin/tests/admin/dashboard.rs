@@ -95,6 +95,8 @@ async fn the_dashboard_previews_and_runs_a_redrive_from_a_parked_message() {
     );
 
     browser.screenshot("dashboard-redrive-preview").await;
+    // The refused calls before the token are shown on the page, not script errors.
+    browser.assert_no_script_errors().await;
 
     // Showing the payload (and the timeline's error texts) was audited; the preview changed
     // nothing and wrote nothing else.

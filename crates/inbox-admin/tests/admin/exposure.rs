@@ -666,7 +666,8 @@ async fn responses_carry_nosniff_no_store_and_the_dashboard_a_policy() {
     );
     assert_eq!(header(&page, "x-content-type-options"), "nosniff");
     for (asset, kind) in [
-        ("/assets/app.js", "text/javascript"),
+        ("/assets/js/main.js", "text/javascript"),
+        ("/assets/js/statuses.js", "text/javascript"),
         ("/assets/app.css", "text/css"),
         ("/assets/uplot.js", "text/javascript"),
         ("/assets/uplot.css", "text/css"),

@@ -7,6 +7,7 @@ mod api;
 mod browser;
 mod console;
 mod console_api;
+mod console_statuses;
 mod dashboard;
 mod exposure;
 mod prometheus;
