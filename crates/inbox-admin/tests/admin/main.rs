@@ -11,4 +11,5 @@ mod console_statuses;
 mod dashboard;
 mod exposure;
 mod prometheus;
+mod response_schema;
 mod util;
