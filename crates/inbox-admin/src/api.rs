@@ -52,7 +52,7 @@ pub(crate) struct StatusParams {
 /// and duplicates, and (when the server knows the consumer's queue) the broker's depths.
 #[utoipa::path(get, path = "/api/v1/status", tag = "inspection", params(StatusParams),
     security(("bearer" = [])),
-    responses((status = 200, description = "StatusReport", body = serde_json::Value),
+    responses((status = 200, description = "counts and ages per consumer and status", body = StatusReport),
         (status = 401, description = "no or unknown token")))]
 pub(crate) async fn status(
     State(state): State<Arc<Server>>,
@@ -116,7 +116,7 @@ pub(crate) struct ListParams {
 /// Inbox rows by filter, oldest first, a page at a time (keyset cursor).
 #[utoipa::path(get, path = "/api/v1/messages", tag = "inspection", params(ListParams),
     security(("bearer" = [])),
-    responses((status = 200, description = "ListPage", body = serde_json::Value),
+    responses((status = 200, description = "a page of rows", body = ListPage),
         (status = 400, description = "bad filter or cursor")))]
 pub(crate) async fn list(
     State(state): State<Arc<Server>>,
@@ -156,7 +156,7 @@ pub(crate) async fn list(
 
 /// `GET /api/v1/messages/{consumer}/{message_id}`: the report, and whether its contents were
 /// withheld for want of the `read:payload` scope.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct ShowResponse {
     #[serde(flatten)]
     report: ShowReport,
@@ -173,7 +173,7 @@ pub(crate) struct ShowResponse {
     params(("consumer" = String, Path, description = "Consumer name"),
         ("message_id" = String, Path, description = "The inbox key (percent-encoded)")),
     security(("bearer" = [])),
-    responses((status = 200, description = "ShowReport and payload_hidden", body = serde_json::Value),
+    responses((status = 200, description = "the message everywhere it is known", body = ShowResponse),
         (status = 404, description = "no row or tombstone")))]
 pub(crate) async fn show(
     State(state): State<Arc<Server>>,
@@ -240,7 +240,7 @@ pub(crate) struct FailureParams {
 /// text is returned to `read:payload` and admin tokens only.
 #[utoipa::path(get, path = "/api/v1/failures", tag = "inspection", params(FailureParams),
     security(("bearer" = [])),
-    responses((status = 200, description = "FailureGroup list", body = serde_json::Value)))]
+    responses((status = 200, description = "the failure groups, largest first", body = Vec<FailureGroup>)))]
 pub(crate) async fn failures(
     State(state): State<Arc<Server>>,
     caller: Option<Extension<Caller>>,
@@ -280,7 +280,7 @@ pub(crate) struct RecoverBody {
 /// token's name and the reason.
 #[utoipa::path(post, path = "/api/v1/recover", tag = "actions", request_body = RecoverBody,
     security(("bearer" = [])),
-    responses((status = 200, description = "RecoveryReport", body = serde_json::Value),
+    responses((status = 200, description = "what recovery found and did", body = RecoveryReport),
         (status = 403, description = "not an admin token"),
         (status = 409, description = "the server was started without --queue")))]
 pub(crate) async fn recover(
@@ -357,7 +357,7 @@ pub(crate) struct CleanupBody {
 /// itself runs on the consumer's timer or with `inboxctl cleanup`.)
 #[utoipa::path(post, path = "/api/v1/cleanup/dry-run", tag = "actions",
     request_body = CleanupBody, security(("bearer" = [])),
-    responses((status = 200, description = "CleanupReport", body = serde_json::Value),
+    responses((status = 200, description = "what retention would do", body = CleanupReport),
         (status = 409, description = "the dedup window is shorter than the redelivery horizon")))]
 pub(crate) async fn cleanup_dry_run(
     State(state): State<Arc<Server>>,
@@ -390,7 +390,7 @@ pub(crate) async fn cleanup_dry_run(
 /// the token's name and the reason.
 #[utoipa::path(post, path = "/api/v1/redrive", tag = "actions", request_body = RedriveBody,
     security(("bearer" = [])),
-    responses((status = 200, description = "RedriveReport", body = serde_json::Value),
+    responses((status = 200, description = "what the pass found and did", body = RedriveReport),
         (status = 403, description = "not an admin token"),
         (status = 409, description = "the server was started without --queue")))]
 pub(crate) async fn redrive(
@@ -415,7 +415,7 @@ pub(crate) async fn redrive(
 /// only counts what would be removed.
 #[utoipa::path(post, path = "/api/v1/discard", tag = "actions", request_body = RedriveBody,
     security(("bearer" = [])),
-    responses((status = 200, description = "RedriveReport", body = serde_json::Value),
+    responses((status = 200, description = "what the pass found and did", body = RedriveReport),
         (status = 400, description = "force or drop_processed given"),
         (status = 403, description = "not an admin token"),
         (status = 409, description = "the server was started without --queue")))]
@@ -454,7 +454,7 @@ pub(crate) struct ReopenBody {
     params(("consumer" = String, Path, description = "Consumer name"),
         ("message_id" = String, Path, description = "The inbox key (percent-encoded)")),
     request_body = ReopenBody, security(("bearer" = [])),
-    responses((status = 200, description = "Reopened", body = serde_json::Value),
+    responses((status = 200, description = "the row reopened", body = Reopened),
         (status = 404, description = "no inbox row for the message"),
         (status = 409, description = "refused (PROCESSED without force_replay, PROCESSING)")))]
 pub(crate) async fn reopen(
@@ -558,7 +558,7 @@ fn ledger_only(mut report: DoctorReport) -> DoctorReport {
 /// `POST /api/v1/doctor` (or a GET with a token) runs them all.
 #[utoipa::path(get, path = "/api/v1/doctor", tag = "inspection", params(DoctorParams),
     security(("bearer" = [])),
-    responses((status = 200, description = "DoctorReport", body = serde_json::Value),
+    responses((status = 200, description = "one row per check", body = DoctorReport),
         (status = 400, description = "bad parameter"),
         (status = 401, description = "no or unknown token")))]
 pub(crate) async fn doctor(
@@ -578,7 +578,7 @@ pub(crate) async fn doctor(
 /// cannot make a browser send it without the browser asking the server first.
 #[utoipa::path(post, path = "/api/v1/doctor", tag = "inspection", request_body = DoctorParams,
     security(("bearer" = [])),
-    responses((status = 200, description = "DoctorReport", body = serde_json::Value),
+    responses((status = 200, description = "one row per check", body = DoctorReport),
         (status = 400, description = "bad parameter"),
         (status = 401, description = "no or unknown token")))]
 pub(crate) async fn doctor_pass(

@@ -47,7 +47,7 @@ pub(crate) struct ActivityParams {
 
 /// What `GET /api/v1/activity` returns: the ledger's report, its latency replaced by the
 /// consumers' own metrics where Prometheus has them.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct ActivityResponse {
     #[serde(flatten)]
     report: ActivityReport,
@@ -68,7 +68,7 @@ pub(crate) struct ActivityResponse {
 /// processed).
 #[utoipa::path(get, path = "/api/v1/activity", tag = "inspection", params(ActivityParams),
     security(("bearer" = [])),
-    responses((status = 200, description = "ActivityReport with latency_sources and latency_error", body = serde_json::Value),
+    responses((status = 200, description = "per consumer and bucket, and where the latency comes from", body = ActivityResponse),
         (status = 400, description = "bad window or bucket")))]
 pub(crate) async fn activity(
     State(state): State<Arc<Server>>,
@@ -134,18 +134,21 @@ pub(crate) struct AlertsResponse {
     /// (the same conditions evaluated from the inbox tables).
     source: &'static str,
     /// Firing (and, from Prometheus, pending) alerts.
-    #[schema(value_type = Vec<Object>)]
     alerts: Vec<ShownAlert>,
     /// Why the source could not be read, when it could not; `alerts` is then empty.
     error: Option<String>,
 }
 
 /// One alert as the console shows it.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct ShownAlert {
+    /// The rule's name.
     name: String,
+    /// `critical`, `warning` or `info`.
     severity: String,
+    /// The consumer it is about, when it names one.
     consumer: Option<String>,
+    /// One sentence with the figure.
     summary: String,
     /// `firing` or `pending`.
     state: String,
@@ -217,7 +220,7 @@ pub(crate) async fn alerts(
 }
 
 /// `GET /api/v1/messages/{consumer}/{message_id}/timeline`.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct TimelineResponse {
     #[serde(flatten)]
     timeline: Timeline,
@@ -234,7 +237,7 @@ pub(crate) struct TimelineResponse {
     params(("consumer" = String, Path, description = "Consumer name"),
         ("message_id" = String, Path, description = "The inbox key (percent-encoded)")),
     security(("bearer" = [])),
-    responses((status = 200, description = "Timeline and payload_hidden", body = serde_json::Value),
+    responses((status = 200, description = "the message's timeline", body = TimelineResponse),
         (status = 404, description = "no trace of the message")))]
 pub(crate) async fn timeline(
     State(state): State<Arc<Server>>,
@@ -301,7 +304,7 @@ pub(crate) struct AuditParams {
 /// The audit trail, newest first: who did what to which message, why, under which ticket.
 #[utoipa::path(get, path = "/api/v1/audit", tag = "inspection", params(AuditParams),
     security(("bearer" = [])),
-    responses((status = 200, description = "AuditEntry list", body = serde_json::Value),
+    responses((status = 200, description = "audit entries, newest first", body = Vec<AuditEntry>),
         (status = 400, description = "bad filter")))]
 pub(crate) async fn audit(
     State(state): State<Arc<Server>>,
@@ -428,7 +431,7 @@ const MAX_EDITED_BODY: usize = 1 << 20;
     params(("consumer" = String, Path, description = "Consumer name"),
         ("message_id" = String, Path, description = "The inbox key (percent-encoded)")),
     request_body = ReplayEditedBody, security(("bearer" = [])),
-    responses((status = 200, description = "ReplayEditedReport", body = serde_json::Value),
+    responses((status = 200, description = "the diff, the new id and what was done", body = ReplayEditedReport),
         (status = 400, description = "nothing edited, invalid JSON"),
         (status = 404, description = "no inbox row for the message"),
         (status = 403, description = "not an admin token"),

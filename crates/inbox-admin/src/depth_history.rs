@@ -21,6 +21,7 @@ use chrono::{DateTime, Utc};
 use inbox_ops::management::{ManagementClient, QueueCounts};
 use rabbit_inbox::{RetryPolicy, Topology, broker::Broker};
 use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::state::BROKER_TIMEOUT;
 
@@ -35,8 +36,9 @@ const MAX_POINTS: usize = 720;
 
 /// The queues at one instant; `None` where the broker did not answer (or, through AMQP, for
 /// what passive declares do not tell).
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+#[derive(Clone, Copy, Debug, Default, Serialize, ToSchema)]
 pub(crate) struct DepthSample {
+    /// When.
     at: DateTime<Utc>,
     /// `management` or `amqp`; `None` when neither answered.
     via: Option<&'static str>,

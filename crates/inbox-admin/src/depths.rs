@@ -10,7 +10,7 @@ use std::{
 use axum::{Json, extract::State};
 use chrono::Utc;
 use serde::{Deserialize, Serialize};
-use utoipa::IntoParams;
+use utoipa::{IntoParams, ToSchema};
 
 use crate::{
     depth_history::{DepthSample, FRESH, KEEP, SAMPLE_INTERVAL},
@@ -55,15 +55,25 @@ pub(crate) struct DepthParams {
 }
 
 /// What `GET /api/v1/depths` returns.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct DepthsResponse {
-    /// The queues sampled: `work`, `retry` (the tiers, whose depths are summed) and `parking`;
-    /// `null` when the server was not given the consumer's queues.
-    queues: Option<serde_json::Value>,
+    /// The queues sampled; `null` when the server was not given the consumer's queues.
+    queues: Option<SampledQueues>,
     /// Seconds between the server's own samples.
     interval_secs: u64,
     /// Oldest first; a sample without figures is one the broker did not answer.
     samples: Vec<DepthSample>,
+}
+
+/// The queues whose depths are sampled.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct SampledQueues {
+    /// The work queue.
+    work: String,
+    /// The retry tiers, whose depths are summed.
+    retry: Vec<String>,
+    /// The parking lot.
+    parking: String,
 }
 
 /// The work queue's ready and unacked messages and consumers, the retry tiers' messages
@@ -72,7 +82,7 @@ pub(crate) struct DepthsResponse {
 /// older than a few seconds) and kept for a day.
 #[utoipa::path(get, path = "/api/v1/depths", tag = "inspection", params(DepthParams),
     security(("bearer" = [])),
-    responses((status = 200, description = "queues, interval_secs and samples", body = serde_json::Value),
+    responses((status = 200, description = "the queues and their samples", body = DepthsResponse),
         (status = 400, description = "bad window")))]
 pub(crate) async fn depths(
     State(state): State<Arc<Server>>,
@@ -105,11 +115,11 @@ pub(crate) async fn depths(
         )
         .await;
     Ok(Json(DepthsResponse {
-        queues: Some(serde_json::json!({
-            "work": topology.queue,
-            "retry": topology.retry_tier_queues(retry),
-            "parking": topology.parking_queue,
-        })),
+        queues: Some(SampledQueues {
+            work: topology.queue.clone(),
+            retry: topology.retry_tier_queues(retry),
+            parking: topology.parking_queue.clone(),
+        }),
         interval_secs: SAMPLE_INTERVAL.as_secs(),
         samples: state.depths.recent(Utc::now(), window),
     }))

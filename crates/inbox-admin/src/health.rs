@@ -16,6 +16,7 @@ use axum::{
 use chrono::Utc;
 use rabbit_inbox::broker::Broker;
 use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::{
     error::ApiError,
@@ -26,7 +27,8 @@ use crate::{
 
 /// The process is up. Needs no token.
 #[utoipa::path(get, path = "/healthz", tag = "health",
-    responses((status = 200, description = "the process answers")))]
+    responses((status = 200, description = "the process answers", body = String,
+        content_type = "text/plain")))]
 pub(crate) async fn healthz() -> &'static str {
     "ok\n"
 }
@@ -57,8 +59,8 @@ pub(crate) async fn monitor(server: Arc<Server>, interval: Duration) {
     }
 }
 
-#[derive(Debug, Serialize)]
-struct Readyz {
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct Readyz {
     #[serde(flatten)]
     snapshot: Snapshot,
     /// The server was started with `--insecure-http` on an address other machines can reach:
@@ -70,8 +72,9 @@ struct Readyz {
 /// background check (every few seconds); 503 with the failing check otherwise. Also says
 /// whether the server runs with `--insecure-http`. Needs no token.
 #[utoipa::path(get, path = "/readyz", tag = "health",
-    responses((status = 200, description = "both reachable"),
-        (status = 503, description = "a dependency is unreachable, or not checked yet")))]
+    responses((status = 200, description = "both reachable", body = Readyz),
+        (status = 503, description = "a dependency is unreachable, or not checked yet",
+            body = Readyz)))]
 pub(crate) async fn readyz(State(server): State<Arc<Server>>) -> Response {
     let snapshot = server.readiness.latest();
     let code = if snapshot.database.ok && snapshot.broker.ok {
@@ -88,7 +91,8 @@ pub(crate) async fn readyz(State(server): State<Arc<Server>>) -> Response {
 
 /// The Prometheus exposition of this process's metrics.
 #[utoipa::path(get, path = "/metrics", tag = "health", security(("bearer" = [])),
-    responses((status = 200, description = "Prometheus text format"),
+    responses((status = 200, description = "Prometheus text format", body = String,
+            content_type = "text/plain; version=0.0.4"),
         (status = 503, description = "no metrics recorder in this process")))]
 pub(crate) async fn metrics(State(state): State<Arc<Server>>) -> Result<Response, ApiError> {
     let handle = state.metrics.as_ref().ok_or_else(|| {

@@ -65,7 +65,6 @@ pub(crate) struct JobView {
     started_at: DateTime<Utc>,
     finished_at: Option<DateTime<Utc>>,
     /// The action's report, once done.
-    #[schema(value_type = Option<Object>)]
     report: Option<RedriveReport>,
     /// Why it failed.
     error: Option<String>,

@@ -5,13 +5,17 @@ use std::sync::RwLock;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::state::BROKER_TIMEOUT;
 
 /// One dependency's last check. The error is generic; its text is in the server's log.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[schema(as = ReadinessCheck)]
 pub(crate) struct Check {
+    /// It answered.
     pub(crate) ok: bool,
+    /// Why not: `unreachable`, `no answer in time` or `not checked yet`.
     error: Option<&'static str>,
 }
 
@@ -45,9 +49,11 @@ impl Check {
     }
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, ToSchema)]
 pub(crate) struct Snapshot {
+    /// PostgreSQL.
     pub(crate) database: Check,
+    /// RabbitMQ.
     pub(crate) broker: Check,
     /// When the checks ran.
     pub(crate) checked_at: Option<DateTime<Utc>>,

@@ -83,6 +83,7 @@ impl ActivityQuery {
 
 /// One time bucket of one consumer.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ActivityBucket {
     /// Start of the bucket (a multiple of the bucket width since the Unix epoch).
     pub at: DateTime<Utc>,
@@ -121,6 +122,7 @@ impl ActivityBucket {
 
 /// The buckets of one consumer.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConsumerActivity {
     /// Consumer.
     pub consumer: String,
@@ -130,6 +132,7 @@ pub struct ConsumerActivity {
 
 /// What [`Operations::activity`] returns.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ActivityReport {
     /// Start of the first bucket: the window's start rounded down to a bucket boundary.
     pub from: DateTime<Utc>,

@@ -53,6 +53,7 @@ pub async fn audit(
 
 /// One `inbox_audit` row.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AuditEntry {
     /// Sequence number.
     pub audit_id: i64,
@@ -71,6 +72,7 @@ pub struct AuditEntry {
     /// Ticket.
     pub ticket: Option<String>,
     /// Specifics of the action.
+    #[cfg_attr(feature = "openapi", schema(value_type = HashMap<String, serde_json::Value>))]
     pub details: serde_json::Value,
     /// The database role of the session that wrote the row (set by the database, not by the
     /// writer); `None` for rows written before the audit trail recorded it.

@@ -16,6 +16,7 @@ use rabbit_inbox::status::InboxStatus;
 
 /// One message's story for one consumer ([`Operations::timeline`]).
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Timeline {
     /// Consumer.
     pub consumer: String,
@@ -23,6 +24,7 @@ pub struct Timeline {
     pub message_id: String,
     /// The row's current status; `None` when there is no row (retention removed it, or the
     /// message was never received).
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
     pub status: Option<InboxStatus>,
     /// The id of the corrected copy an operator published in this message's place (edit and
     /// replay); the row is then PROCESSED.
@@ -44,6 +46,7 @@ pub const TIMELINE_LIMIT: i64 = 1000;
 
 /// What a [`TimelineEntry`] records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum TimelineKind {
@@ -107,6 +110,7 @@ impl TimelineKind {
 
 /// One step of a [`Timeline`]. Fields that do not apply to its kind are `None`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct TimelineEntry {
     /// When (the database's clock).
     pub at: DateTime<Utc>,

@@ -71,10 +71,12 @@ impl Default for StatusQuery {
 
 /// Counts and ages of one consumer's rows in one status.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct StatusLine {
     /// Consumer.
     pub consumer: String,
     /// Status.
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub status: InboxStatus,
     /// Rows in this status. For PROCESSED only with [`StatusQuery::count_processed`].
     pub rows: Option<i64>,
@@ -111,15 +113,43 @@ pub struct StatusLine {
 
 /// Depths of one work queue's broker queues.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct BrokerDepths {
     /// The work queue and its ready messages (`None` if it does not exist).
+    #[cfg_attr(feature = "openapi", schema(schema_with = queue_depth_schema))]
     pub work: QueueDepth,
     /// The parking lot and its messages (`None` if it does not exist).
+    #[cfg_attr(feature = "openapi", schema(schema_with = queue_depth_schema))]
     pub parking: QueueDepth,
+}
+
+/// The JSON shape of the core library's [`QueueDepth`], which has no schema of its own.
+#[cfg(feature = "openapi")]
+fn queue_depth_schema() -> utoipa::openapi::schema::Object {
+    use utoipa::openapi::schema::{ObjectBuilder, SchemaType, Type};
+    ObjectBuilder::new()
+        .property(
+            "queue",
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .description(Some("Queue name.")),
+        )
+        .required("queue")
+        .property(
+            "messages",
+            ObjectBuilder::new()
+                .schema_type(SchemaType::from_iter([Type::Integer, Type::Null]))
+                .minimum(Some(0))
+                .description(Some(
+                    "Ready messages; `null` when the queue does not exist.",
+                )),
+        )
+        .build()
 }
 
 /// What [`Operations::status`] returns.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct StatusReport {
     /// The database's clock when the report was made (ages are measured against it).
     pub at: DateTime<Utc>,
@@ -186,6 +216,7 @@ impl Default for ListFilter {
 
 /// One row of [`ListPage`].
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RowSummary {
     /// Dedup key.
     pub message_id: String,
@@ -194,6 +225,7 @@ pub struct RowSummary {
     /// Message type.
     pub message_type: String,
     /// Status.
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub status: InboxStatus,
     /// Attempts made.
     pub processing_attempt: i32,
@@ -215,6 +247,7 @@ pub struct RowSummary {
 
 /// A page of [`Operations::list`].
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ListPage {
     /// Rows, oldest first (by first receipt, then key).
     pub rows: Vec<RowSummary>,
@@ -280,6 +313,7 @@ pub struct ShowQuery {
 /// A stored body, readable: as text when it is UTF-8, else base64; or, when it is encrypted
 /// and could not be opened, which key sealed it and why it stayed sealed.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "encoding", content = "data", rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum Payload {
@@ -311,6 +345,7 @@ impl Payload {
 /// Where a message is on the broker, inferred from its row's status (each status has exactly
 /// one broker action; see ARCHITECTURE.md).
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct BrokerLocation {
     /// `acked` (gone from the broker), `retry_tier`, `parking_lot`, `manual_review` or `in_flight`.
     pub place: &'static str,
@@ -349,6 +384,7 @@ impl BrokerLocation {
 
 /// Every column of one row, with its payload and where its message is.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RowDetail {
     /// Dedup key.
     pub message_id: String,
@@ -359,6 +395,7 @@ pub struct RowDetail {
     /// Message version.
     pub message_version: i32,
     /// Status.
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub status: InboxStatus,
     /// Attempts made.
     pub processing_attempt: i32,
@@ -421,6 +458,7 @@ pub struct RowDetail {
     pub tenant_id: Option<String>,
     /// Application headers as stored (redacted as configured), opened with the keyring when
     /// sealed; when they cannot be opened, `{"x-inbox-sealed": "<why>"}`.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<HashMap<String, serde_json::Value>>))]
     pub headers: serde_json::Value,
     /// The body, if kept.
     pub payload: Option<Payload>,
@@ -430,6 +468,7 @@ pub struct RowDetail {
 
 /// What is left of a row that retention removed.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Tombstone {
     /// Dedup key.
     pub message_id: String,
@@ -451,6 +490,7 @@ pub struct Tombstone {
 
 /// What [`Operations::show`] returns.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ShowReport {
     /// The dedup key asked for.
     pub message_id: String,
@@ -464,10 +504,12 @@ pub struct ShowReport {
 
 /// Failed rows with one consumer, status, message type and error code.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FailureGroup {
     /// Consumer.
     pub consumer: String,
     /// RETRYABLE_FAILED, PERMANENT_FAILED, POISONED or MANUAL_REVIEW.
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub status: InboxStatus,
     /// Message type.
     pub message_type: String,

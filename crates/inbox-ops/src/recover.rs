@@ -61,6 +61,7 @@ pub enum RecoveryPolicy {
 
 /// Why a row was found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum RecoveryCause {
@@ -96,6 +97,7 @@ impl RecoveryCause {
 
 /// What was (or, in a dry run, would be) done with a row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum RecoveryAction {
@@ -147,6 +149,7 @@ impl RecoverRequest {
 
 /// One row recovery found.
 #[derive(Clone, Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RecoveredMessage {
     /// Dedup key.
     pub message_id: String,
@@ -171,6 +174,7 @@ pub struct RecoveredMessage {
 
 /// The result of a run.
 #[derive(Clone, Debug, Default, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RecoveryReport {
     /// Whether nothing was changed.
     pub dry_run: bool,

@@ -258,6 +258,7 @@ fn stamped(mut details: Value, job: Option<&str>) -> Value {
 
 /// How a parked copy relates to the inbox.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum ParkedClass {
@@ -295,6 +296,7 @@ impl ParkedClass {
 
 /// What happened to one parked copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum ParkedAction {
@@ -366,6 +368,7 @@ pub fn planned_action(class: ParkedClass, request: &RedriveRequest) -> ParkedAct
 
 /// A parked copy an operator should look at (refused, removed, discarded, or PROCESSED).
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Finding {
     /// Inbox key, if the copy has one.
     pub message_id: Option<String>,
@@ -381,6 +384,7 @@ pub struct Finding {
 
 /// What [`Operations::redrive`] did.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RedriveReport {
     /// Nothing was changed.
     pub dry_run: bool,

@@ -21,12 +21,14 @@ pub const FORCED_REPLAY: &str = "forced_replay";
 
 /// What [`Operations::reopen`] did.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Reopened {
     /// Dedup key.
     pub message_id: String,
     /// Consumer.
     pub consumer: String,
     /// Status before (now RETRYABLE_FAILED).
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub previous_status: InboxStatus,
     /// Attempts before (now 0).
     pub previous_attempts: i32,

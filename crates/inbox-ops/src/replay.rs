@@ -118,6 +118,7 @@ pub struct ReplayEditedRequest {
 
 /// How a line of the diff relates the original to the edit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum DiffOp {
     /// In both.
@@ -130,6 +131,7 @@ pub enum DiffOp {
 
 /// One line of the diff, without its line break.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DiffLine {
     /// `keep`, `remove` or `add`.
     pub op: DiffOp,
@@ -139,6 +141,7 @@ pub struct DiffLine {
 
 /// What [`Operations::replay_edited`] did (or, in a dry run, would do).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReplayEditedReport {
     /// The replaced message's inbox key.
     pub original_id: String,

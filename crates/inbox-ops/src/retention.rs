@@ -68,12 +68,14 @@ impl CleanupRequest {
 
 /// What a cleanup run did (or, in a dry run, would do).
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CleanupReport {
     /// The consumer.
     pub consumer: String,
     /// Nothing was changed.
     pub dry_run: bool,
     /// Delete or archive.
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub mode: RetentionMode,
     /// The window check failed and the run was forced.
     pub forced: bool,

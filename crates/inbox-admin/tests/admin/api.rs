@@ -1,6 +1,7 @@
 //! The admin API over a real inbox: refusals (no token, wrong token, wrong scope, no reason),
 //! reads, audited actions under the token's name, probes and metrics through a listening
-//! server; the OpenAPI document naming every route and the doctor's report in process.
+//! server; the OpenAPI document naming every route, each route's answer checked against its
+//! schema there, and the doctor's report in process.
 
 use std::collections::BTreeSet;
 
@@ -9,8 +10,12 @@ use inbox_testkit::env::wait_for;
 use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};
 
-use crate::util::{
-    ADMIN_TOKEN, CONSUMER, Fixture, READ_TOKEN, REFUSED_CODE, REFUSED_TYPE, get, post,
+use crate::{
+    response_schema,
+    util::{
+        ADMIN_TOKEN, CONSUMER, Fixture, InProcess, LOCAL, READ_TOKEN, REFUSED_CODE, REFUSED_TYPE,
+        get, post,
+    },
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -354,6 +359,169 @@ async fn the_openapi_document_describes_every_route() {
             assert_eq!(body["error"], "no job \"no-such-job\"", "{body}");
         }
     }
+
+    // Every 2xx response has a typed schema, down to each field.
+    let untyped = response_schema::untyped_responses(&doc);
+    assert!(
+        untyped.is_empty(),
+        "untyped responses:\n{}",
+        untyped.join("\n")
+    );
+
+    // Each route answered for real (an action as a dry run where it has one, a bulk job that
+    // selects nothing), its answer checked against its schema in the served document: valid,
+    // and no field the schema does not declare.
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let app = InProcess::new(
+        fx.state(crate::util::tokens(), Some(recorder.handle())),
+        LOCAL,
+        &Default::default(),
+    );
+    let mut checked = BTreeSet::new();
+    let mut check = async |method: &str, route: &str, path: &str, token: &str, body: Value| {
+        let (code, answer) = if method == "GET" {
+            app.get(path, Some(token)).await
+        } else {
+            app.post(path, Some(token), body).await
+        };
+        assert!(code.is_success(), "{method} {path}: {code} {answer}");
+        let faults = response_schema::response_faults(&doc, method, route, code.as_u16(), &answer);
+        assert!(
+            faults.is_empty(),
+            "{method} {path} answered what its schema does not say:\n{}\n{answer:#}",
+            faults.join("\n")
+        );
+        checked.insert(format!("{method} {route}"));
+        answer
+    };
+    let message = "/api/v1/messages/{consumer}/{message_id}";
+    let refund = |n: u8, then: &str| format!("/api/v1/messages/{CONSUMER}/refund-{n}{then}");
+    let none = Value::Null;
+    let shown = check("GET", message, &refund(1, ""), ADMIN_TOKEN, none.clone()).await;
+    let original = shown["rows"][0]["payload"]["data"]
+        .as_str()
+        .expect("a kept body");
+    let mut edited: Value = serde_json::from_str(original).expect("a JSON body");
+    edited["amount"] = json!(12);
+    let dry = |more: Value| {
+        let mut body = json!({ "consumer": CONSUMER, "reason": "check", "dry_run": true });
+        body.as_object_mut()
+            .expect("an object")
+            .extend(more.as_object().cloned().unwrap_or_default());
+        body
+    };
+    let preview = check(
+        "POST",
+        &format!("{message}/replay-edited"),
+        &refund(1, "/replay-edited"),
+        ADMIN_TOKEN,
+        dry(json!({ "body": edited.to_string() })),
+    )
+    .await;
+    assert!(
+        !preview["diff"].as_array().is_none_or(Vec::is_empty),
+        "{preview}"
+    );
+    for action in ["/api/v1/redrive", "/api/v1/discard", "/api/v1/recover"] {
+        check("POST", action, action, ADMIN_TOKEN, dry(json!({}))).await;
+    }
+    let cleanup = "/api/v1/cleanup/dry-run";
+    check("POST", cleanup, cleanup, ADMIN_TOKEN, dry(json!({}))).await;
+    let doctor = "/api/v1/doctor";
+    check(
+        "POST",
+        doctor,
+        doctor,
+        READ_TOKEN,
+        json!({ "consumer": CONSUMER }),
+    )
+    .await;
+    let job = json!({ "action": "redrive", "reason": "check", "consumer": CONSUMER,
+                      "type": "NothingOfThisType" });
+    let started = check("POST", "/api/v1/jobs", "/api/v1/jobs", ADMIN_TOKEN, job).await;
+    let job = format!("/api/v1/jobs/{}", started["id"].as_str().expect("an id"));
+    wait_for("the job to finish", async || {
+        app.get(&job, Some(ADMIN_TOKEN)).await.1["state"] != "running"
+    })
+    .await;
+    let done = check("GET", "/api/v1/jobs/{id}", &job, ADMIN_TOKEN, none.clone()).await;
+    assert_eq!(done["state"], "done", "{done}");
+    let reopen = json!({ "reason": "check", "ticket": "INC-9" });
+    check(
+        "POST",
+        &format!("{message}/reopen"),
+        &refund(2, "/reopen"),
+        ADMIN_TOKEN,
+        reopen,
+    )
+    .await;
+    // The reads, after the actions: audit entries and a reopened row to show.
+    for (route, path, token) in [
+        ("/api/v1/status", "/api/v1/status".to_owned(), READ_TOKEN),
+        (
+            "/api/v1/messages",
+            format!("/api/v1/messages?consumer={CONSUMER}&limit=1"),
+            READ_TOKEN,
+        ),
+        (message, refund(1, ""), READ_TOKEN),
+        (message, refund(2, ""), ADMIN_TOKEN),
+        (
+            "/api/v1/failures",
+            "/api/v1/failures".to_owned(),
+            ADMIN_TOKEN,
+        ),
+        (
+            "/api/v1/doctor",
+            format!("/api/v1/doctor?consumer={CONSUMER}"),
+            READ_TOKEN,
+        ),
+        (
+            "/api/v1/activity",
+            "/api/v1/activity".to_owned(),
+            READ_TOKEN,
+        ),
+        ("/api/v1/depths", "/api/v1/depths".to_owned(), READ_TOKEN),
+        ("/api/v1/alerts", "/api/v1/alerts".to_owned(), READ_TOKEN),
+        ("/api/v1/audit", "/api/v1/audit".to_owned(), READ_TOKEN),
+    ] {
+        check("GET", route, &path, token, none.clone()).await;
+    }
+    let timeline = format!("{message}/timeline");
+    for token in [READ_TOKEN, ADMIN_TOKEN] {
+        check(
+            "GET",
+            &timeline,
+            &refund(2, "/timeline"),
+            token,
+            none.clone(),
+        )
+        .await;
+    }
+    // The probes and metrics are text, but for `/readyz`.
+    let (code, ready) = app.get("/readyz", None).await;
+    let faults = response_schema::response_faults(&doc, "GET", "/readyz", code.as_u16(), &ready);
+    assert!(
+        faults.is_empty(),
+        "/readyz: {}\n{ready:#}",
+        faults.join("\n")
+    );
+    checked.insert("GET /readyz".to_owned());
+    for text in ["/healthz", "/metrics"] {
+        let (code, _) = app.get(text, Some(READ_TOKEN)).await;
+        assert_eq!(code, StatusCode::OK, "{text}");
+        let content = &doc["paths"][text]["get"]["responses"]["200"]["content"];
+        let (media, body) = content
+            .as_object()
+            .and_then(|c| c.iter().next())
+            .unwrap_or_else(|| panic!("{text}: no content"));
+        assert!(media.starts_with("text/plain"), "{text}: {media}");
+        assert_eq!(body["schema"]["type"], "string", "{text}: {body}");
+        checked.insert(format!("GET {text}"));
+    }
+    assert_eq!(
+        checked, documented,
+        "every documented route's answer checked"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,4 +12,5 @@ mod dashboard;
 mod exposure;
 mod layering;
 mod prometheus;
+mod response_schema;
 mod util;

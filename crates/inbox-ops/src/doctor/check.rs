@@ -9,6 +9,7 @@ const MAX_EXAMPLES: usize = 5;
 
 /// How bad a finding is. Ordered: the report's worst is the maximum.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum Severity {
@@ -33,6 +34,7 @@ impl Severity {
 
 /// The part of the installation a check looks at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum Area {
@@ -66,6 +68,7 @@ impl Area {
 
 /// One checked item.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Check {
     /// Stable identifier (`schema.primary_key`, see [`check_ids`](super::check_ids)).
     pub id: &'static str,

@@ -47,6 +47,7 @@ use check_ids as ids;
 
 /// What [`Operations::doctor`] found.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DoctorReport {
     /// The inbox schema checked.
     pub schema: String,
