@@ -84,21 +84,24 @@ figures = {}  # (mode, side) -> lists
 for run in runs:
     for mode in run["report"].get("modes", []):
         key = (mode["mode"], run["side"])
-        f = figures.setdefault(key, {"msgs_per_s": [], "consumer": [], "total": []})
+        f = figures.setdefault(key, {"msgs_per_s": [], "p99_ms": [], "consumer": [], "total": []})
         f["msgs_per_s"].append(mode["msgs_per_s"])
+        f["p99_ms"].append(mode["p99_ms"])
         f["consumer"].append(mode["cpu_ms_per_1k"]["consumer"])
         f["total"].append(mode["cpu_ms_per_1k"]["total"])
 modes = list(dict.fromkeys(m for m, _ in figures))
-print(f"{'mode':<45} {'figure':<26} {'before':>9} {'after':>9} {'after/before':>12}")
+print(f"{'mode':<47} {'figure':<20} {'before':>9} {'after':>9} {'after/before':>12}")
 for mode in modes:
     b, a = figures.get((mode, "before")), figures.get((mode, "after"))
     if not b or not a:
         continue
-    for name, label in [("msgs_per_s", "msgs/s"), ("consumer", "CPU ms/1k, consumer"), ("total", "CPU ms/1k, all")]:
+    for name, label in [("msgs_per_s", "msgs/s"), ("p99_ms", "p99 ms"), ("consumer", "CPU ms/1k, consumer"), ("total", "CPU ms/1k, all")]:
         mb, ma = statistics.median(b[name]), statistics.median(a[name])
+        if mb == 0 and ma == 0:
+            continue  # not measured in this mode (a fixed-rate run has no CPU figures)
         spread_b = (max(b[name]) - min(b[name])) / mb if mb else 0
         spread_a = (max(a[name]) - min(a[name])) / ma if ma else 0
         ratio = ma / mb if mb else float("nan")
-        print(f"{mode:<45} {label:<26} {mb:>9.1f} {ma:>9.1f} {ratio:>12.2f}   (spread {spread_b:.0%} / {spread_a:.0%})")
+        print(f"{mode:<47} {label:<20} {mb:>9.1f} {ma:>9.1f} {ratio:>12.2f}   (spread {spread_b:.0%} / {spread_a:.0%})")
 print(f"medians of {len(runs) // 2} alternating rounds; spread = (max - min) / median per side")
 EOF
