@@ -6,22 +6,17 @@ use std::time::Duration;
 
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection,
-    options::{
-        BasicAckOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
-        QueueDeleteOptions,
-    },
+    options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions},
     types::FieldTable,
 };
 use serde_json::{Map, Value};
 
 use super::{
     addresses::connect,
-    delivery::amqp_message,
     headers::{json_to_table, short},
     topology::{Exchange, Topology, declare, declare_exchange},
 };
 use crate::{
-    envelope::AmqpMessage,
     error::{AmqpResult, BrokerError},
     retry::RetryPolicy,
 };
@@ -226,28 +221,6 @@ impl Broker {
             retry: retrying,
             parking: depth(&topology.parking_queue).await?,
         })
-    }
-
-    /// Fetches one message from `queue` and acks it: for tools that drain a queue into a
-    /// report (parking-lot inspection, tests). Returns the message and its headers.
-    pub async fn take_one(&self, queue: &str) -> Result<Option<AmqpMessage>, BrokerError> {
-        let got = self
-            .channel
-            .basic_get(queue.into(), lapin::options::BasicGetOptions::default())
-            .await
-            .amqp()?;
-        match got {
-            None => Ok(None),
-            Some(get) => {
-                let message = amqp_message(&get.delivery);
-                get.delivery
-                    .acker
-                    .ack(BasicAckOptions::default())
-                    .await
-                    .amqp()?;
-                Ok(Some(message))
-            }
-        }
     }
 
     /// Deletes the topology's queues, the retry tiers of `retry` among them (tests and demos
