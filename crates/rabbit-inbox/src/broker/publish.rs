@@ -223,9 +223,11 @@ impl Broker {
         })
     }
 
-    /// Deletes the topology's queues, the retry tiers of `retry` among them (tests and demos
-    /// that own them). Also deletes a queue named `retry_queue` itself, the single retry queue
-    /// of earlier versions.
+    /// Deletes the topology's queues for good, messages and all: the work queue, the retry
+    /// tiers of `retry`, the parking lot, and the topology's exchange if it names one. For
+    /// removing a consumer's queues: tearing down a test or a demo, or decommissioning a
+    /// consumer. Not part of running a consumer: the consumer runtime never calls it. Also
+    /// deletes a queue named `retry_queue` itself, the single retry queue of earlier versions.
     pub async fn delete(
         &self,
         topology: &Topology,
