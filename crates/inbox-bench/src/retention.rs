@@ -15,7 +15,7 @@ use std::{
 use hdrhistogram::Histogram;
 use inbox_ops::{Operations, Progress, retention::CleanupRequest};
 use rabbit_inbox::{
-    Envelope, EnvelopeRules, RetryPolicy, SchemaName, envelope::AmqpMessage,
+    Envelope, EnvelopeRules, RetryPolicy, SchemaName, envelope::AmqpMessage, ledger_sql::PROCESSED,
     retention::RetentionPolicy, store::InboxStore, store::Redelivery,
 };
 use serde::Serialize;
@@ -212,7 +212,7 @@ async fn fill(
             "INSERT INTO \"{schema}\".message_inbox (message_id, consumer_name, message_type, \
                message_version, status, processing_attempt, first_received_at, processed_at, \
                payload_sha256) \
-             SELECT 'r' || g, $1, 'BenchEvent', 1, 'PROCESSED', 1, t, t, sha256(g::text::bytea) \
+             SELECT 'r' || g, $1, 'BenchEvent', 1, {PROCESSED}, 1, t, t, sha256(g::text::bytea) \
              FROM generate_series($2::int8, $3::int8) AS g, \
                LATERAL (SELECT now() - make_interval(secs => $5 * (1 - g::float8 / $4))) AS x(t)"
         )))

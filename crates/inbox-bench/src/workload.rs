@@ -4,6 +4,7 @@
 use rabbit_inbox::{
     BatchError, BatchHandler, Handler, HandlerError, InboxMessage, SchemaName,
     broker::OutgoingMessage,
+    ledger_sql::{PERMANENT_FAILED, PROCESSED},
 };
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use serde_json::json;
@@ -218,9 +219,9 @@ pub(crate) async fn exactly_once(
             "SELECT (SELECT count(*) FROM \"{schema}\".bench_history), \
                 (SELECT count(DISTINCT message_id) FROM \"{schema}\".bench_history), \
                 (SELECT count(*) FROM \"{schema}\".message_inbox \
-                   WHERE consumer_name = $1 AND status = 'PROCESSED' AND message_id LIKE $2), \
+                   WHERE consumer_name = $1 AND status = {PROCESSED} AND message_id LIKE $2), \
                 (SELECT count(*) FROM \"{schema}\".message_inbox \
-                   WHERE consumer_name = $1 AND status = 'PERMANENT_FAILED' \
+                   WHERE consumer_name = $1 AND status = {PERMANENT_FAILED} \
                      AND message_id LIKE $2)"
         )))
         .bind(CONSUMER)
@@ -247,7 +248,7 @@ pub(crate) async fn prefill(
         sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO \"{schema}\".message_inbox (message_id, consumer_name, message_type, \
                message_version, status, processing_attempt, processed_at, payload_sha256) \
-             SELECT 'prefill-' || g, $1, 'BenchEvent', 1, 'PROCESSED', 1, now(), \
+             SELECT 'prefill-' || g, $1, 'BenchEvent', 1, {PROCESSED}, 1, now(), \
                sha256(g::text::bytea) \
              FROM generate_series($2::int8, $3::int8) AS g"
         )))

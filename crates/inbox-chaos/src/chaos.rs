@@ -761,8 +761,8 @@ pub async fn run(
     let v = order_service::verify(&pool, &schema).await?;
     let broker = connect::rabbitmq(&servers.amqp_url).await?;
     let depths = broker.queue_depths(&topology, &config.retry).await?;
-    let parking = ParkingLot::read(&broker, &topology.parking_queue).await?;
     broker.close().await;
+    let parking = ParkingLot::read(&servers.amqp_url, &topology).await?;
     let parking_check = parking.check(&pool, &schema, &scenario).await?;
     let ledger = read_ledger(&pool, &schema).await?;
     let deliveries = Deliveries::count(&published_copies, &ledger, &parking.copies_by_key());
@@ -1258,9 +1258,16 @@ impl ParkingLot {
     }
 
     /// Drains the parking lot (the run's queues are recreated by the next run).
-    async fn read(broker: &rabbit_inbox::broker::Broker, queue: &str) -> anyhow::Result<Self> {
+    async fn read(amqp_url: &str, topology: &rabbit_inbox::Topology) -> anyhow::Result<Self> {
+        let lot = rabbit_inbox::broker::ParkingLot::connect(
+            amqp_url,
+            &topology.queue,
+            &topology.parking_queue,
+        )
+        .await?;
         let mut copies = Vec::new();
-        while let Some(m) = broker.take_one(queue).await? {
+        while let Some(parked) = lot.next().await? {
+            let m = parked.message();
             let text = |name: &str| {
                 m.headers
                     .get(name)
@@ -1272,7 +1279,9 @@ impl ParkingLot {
                 code: text(parking_headers::ERROR_CODE),
                 message_id: m.message_id.clone(),
             });
+            lot.remove(parked).await?;
         }
+        lot.close().await;
         Ok(Self { copies })
     }
 

@@ -19,6 +19,7 @@ use crate::{
     operations::Operations,
     sql::{consumers_of, sql},
 };
+use rabbit_inbox::ledger_sql::{PARKED, PROCESSED, RETRYABLE_FAILED};
 
 /// What [`Operations::activity`] reports on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -165,7 +166,7 @@ impl Operations {
             "SELECT consumer_name, floor(extract(epoch FROM processed_at) / $2::int8)::int8 AS b, \
                count(*) AS processed, {p50} AS p50, {p99} AS p99 \
              FROM {t} \
-             WHERE status = 'PROCESSED' AND processed_at >= $1 \
+             WHERE status = {PROCESSED} AND processed_at >= $1 \
                AND ($3::text IS NULL OR consumer_name = $3) \
              GROUP BY 1, 2",
             p50 = latency(0.5),
@@ -178,10 +179,10 @@ impl Operations {
                SELECT floor(extract(epoch FROM e.occurred_at) / $2::int8)::int8 AS b, \
                  coalesce(sum(e.deliveries) FILTER (WHERE e.kind = 'duplicate'), 0)::int8 \
                    AS duplicates, \
-                 count(*) FILTER (WHERE e.kind = 'failed' AND e.status = 'RETRYABLE_FAILED') \
+                 count(*) FILTER (WHERE e.kind = 'failed' AND e.status = {RETRYABLE_FAILED}) \
                    AS retried, \
                  count(*) FILTER (WHERE e.kind = 'failed' \
-                   AND e.status IN ('PERMANENT_FAILED', 'POISONED', 'MANUAL_REVIEW')) AS parked, \
+                   AND e.status IN ({PARKED})) AS parked, \
                  coalesce(sum(e.deliveries) FILTER (WHERE e.kind = 'conflict'), 0)::int8 \
                    AS conflicts \
                FROM {e} e WHERE e.consumer_name = c.consumer_name AND e.occurred_at >= $1 \
@@ -191,7 +192,12 @@ impl Operations {
              FROM open_consumers",
             event_consumers = consumers_of("event_consumers", &e, "", "$3"),
             // The partial index of open rows holds exactly these.
-            open_consumers = consumers_of("open_consumers", &t, "status <> 'PROCESSED' AND", "$3"),
+            open_consumers = consumers_of(
+                "open_consumers",
+                &t,
+                &format!("status <> {PROCESSED} AND"),
+                "$3",
+            ),
         );
         [processed, events]
     }

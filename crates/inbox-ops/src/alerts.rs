@@ -8,7 +8,7 @@
 //!
 //! Of the rules over the ledger's gauges and counters:
 //! - `InboxStaleProcessing`, `InboxOldestUnprocessedAge`: the same SQL as the sampler's gauges
-//!   ([`rabbit_inbox::store::stale_processing`], [`rabbit_inbox::store::overdue_by`]).
+//!   ([`stale_processing`], [`overdue_by`]).
 //! - `InboxParkingLotGrowing`: messages parked in the last hour (from `inbox_event`) and still
 //!   parked. The rule's `delta` of the parked gauge also subtracts older parked rows that left
 //!   the parking lot in the hour (redriven, reopened); this counts only the growth.
@@ -29,9 +29,12 @@ use sqlx::Row;
 use crate::{
     error::OpsError,
     operations::Operations,
-    sql::{consumers_of, sql},
+    sql::{OPEN, PARKED_BY_FAILURE, consumers_of, sql},
 };
-use rabbit_inbox::retry::RetryPolicy;
+use rabbit_inbox::{
+    ledger_sql::{PROCESSED, overdue_by, stale_processing},
+    retry::RetryPolicy,
+};
 
 /// `InboxStaleProcessing`: PROCESSING rows past the stale threshold (warning).
 pub const ALERT_STALE_PROCESSING: &str = "InboxStaleProcessing";
@@ -130,11 +133,11 @@ impl Operations {
             "SELECT consumer_name, count(*) FILTER (WHERE {stale}) AS stale, \
                extract(epoch FROM max({overdue}))::float8 AS overdue \
              FROM {t} \
-             WHERE status <> 'PROCESSED' AND status IN ('PROCESSING', 'RETRYABLE_FAILED') \
+             WHERE status <> {PROCESSED} AND status IN ({OPEN}) \
                AND ($1::text IS NULL OR consumer_name = $1) \
              GROUP BY consumer_name",
-            stale = rabbit_inbox::store::stale_processing("$2"),
-            overdue = rabbit_inbox::store::overdue_by("$3"),
+            stale = stale_processing("$2"),
+            overdue = overdue_by("$3"),
         )))
         .persistent(false)
         .bind(query.consumer.as_deref())
@@ -154,12 +157,12 @@ impl Operations {
              SELECT c.consumer_name, \
                (SELECT count(*) FROM {t} m \
                  WHERE m.consumer_name = c.consumer_name \
-                   AND m.status IN ('PERMANENT_FAILED', 'POISONED') \
+                   AND m.status IN ({PARKED_BY_FAILURE}) \
                    AND m.message_id IN (SELECT p.message_id FROM {e} p \
                      WHERE p.consumer_name = c.consumer_name \
                        AND p.occurred_at >= now() - make_interval(secs => $2) \
                        AND p.kind = 'failed' \
-                       AND p.status IN ('PERMANENT_FAILED', 'POISONED'))) AS parked, \
+                       AND p.status IN ({PARKED_BY_FAILURE}))) AS parked, \
                (SELECT coalesce(sum(d.deliveries), 0)::int8 FROM {e} d \
                  WHERE d.consumer_name = c.consumer_name \
                    AND d.occurred_at >= now() - make_interval(secs => $3) \

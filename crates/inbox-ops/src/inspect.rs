@@ -26,6 +26,7 @@ use rabbit_inbox::{
     broker::QueueDepth,
     broker::Topology,
     error::StoreError,
+    ledger_sql::{PARKED, PROCESSED, RETRYABLE_FAILED, overdue_by, stale_processing},
     privacy::{SEALED_HEADERS, StoredPayload, open_error, open_headers, open_payload},
     retry::RetryPolicy,
     status::InboxStatus,
@@ -549,10 +550,10 @@ impl Operations {
                count(*) FILTER (WHERE {stale}) AS stale, \
                count(*) FILTER (WHERE last_failed_at > now() - make_interval(secs => $3)) AS failed, \
                count(*) FILTER (WHERE last_conflict_at > now() - make_interval(secs => $3)) AS conflicts \
-             FROM {t} WHERE status <> 'PROCESSED' AND ($1::text IS NULL OR consumer_name = $1) \
+             FROM {t} WHERE status <> {PROCESSED} AND ($1::text IS NULL OR consumer_name = $1) \
              GROUP BY consumer_name, status ORDER BY consumer_name, status",
-            stale = rabbit_inbox::store::stale_processing("$2"),
-            overdue = rabbit_inbox::store::overdue_by("$4"),
+            stale = stale_processing("$2"),
+            overdue = overdue_by("$4"),
         )))
         .bind(query.consumer.as_deref())
         .bind(query.stale_after.as_secs_f64())
@@ -590,7 +591,7 @@ impl Operations {
             "SELECT consumer_name, count(*) AS n, \
                count(*) FILTER (WHERE last_failed_at > now() - make_interval(secs => $2)) AS failed, \
                count(*) FILTER (WHERE last_conflict_at > now() - make_interval(secs => $2)) AS conflicts \
-             FROM {t} WHERE status = 'PROCESSED' AND processed_at > now() - make_interval(secs => $2) \
+             FROM {t} WHERE status = {PROCESSED} AND processed_at > now() - make_interval(secs => $2) \
                AND ($1::text IS NULL OR consumer_name = $1) \
              GROUP BY consumer_name"
         )))
@@ -618,7 +619,7 @@ impl Operations {
             .collect::<Result<_, _>>()?;
         if query.count_processed {
             let counts: Vec<(String, i64)> = sqlx::query_as(sql(format!(
-                "SELECT consumer_name, count(*) FROM {t} WHERE status = 'PROCESSED' \
+                "SELECT consumer_name, count(*) FROM {t} WHERE status = {PROCESSED} \
                    AND ($1::text IS NULL OR consumer_name = $1) GROUP BY consumer_name"
             )))
             .bind(query.consumer.as_deref())
@@ -1001,7 +1002,7 @@ impl Operations {
                (array_agg(message_id ORDER BY last_failed_at DESC NULLS LAST, message_id))[1] AS sample, \
                (array_agg(last_error_message ORDER BY last_failed_at DESC NULLS LAST, message_id))[1] AS sample_error \
              FROM {t} \
-             WHERE status IN ('RETRYABLE_FAILED', 'PERMANENT_FAILED', 'POISONED', 'MANUAL_REVIEW') \
+             WHERE status IN ({RETRYABLE_FAILED}, {PARKED}) \
                AND ($1::text IS NULL OR consumer_name = $1) \
              GROUP BY consumer_name, status, message_type, last_error_code \
              ORDER BY n DESC, consumer_name, status, message_type, last_error_code"

@@ -28,16 +28,18 @@ use crate::{
     error::OpsError,
     operations::Operations,
     progress::{NoProgress, Progress},
+    sql::OPEN,
 };
 use rabbit_inbox::{
     broker::Broker,
     broker::OutgoingMessage,
     config::ConsumerConfig,
     error::ConfigError,
+    ledger_sql::{PROCESSING, RETRYABLE_FAILED, audited},
     privacy::{PrivacyError, is_original_body, open_headers, open_payload},
     retry::RetryPolicy,
     status::InboxStatus,
-    store::{InboxStore, audited},
+    store::InboxStore,
 };
 
 /// Longest wait for the broker to confirm a republished copy.
@@ -239,27 +241,33 @@ impl RecoveryConfig {
 
 /// Which rows count as lost, and why. `$2` stale threshold (s), `$3` tier delays (s), `$4`
 /// grace (s). Matches rows through the partial index on open rows.
-const CAUSE: &str = "CASE \
-    WHEN status = 'PROCESSING' AND lease_expires_at < now() THEN 'lease_expired' \
-    WHEN status = 'PROCESSING' AND lease_expires_at IS NULL \
-         AND processing_started_at < now() - make_interval(secs => $2) THEN 'stale_processing' \
-    WHEN status = 'RETRYABLE_FAILED' \
-         AND greatest(last_failed_at, last_recovered_at) < now() - make_interval(secs => \
-             ($3::float8[])[least(greatest(processing_attempt, 1), cardinality($3::float8[]))] + $4) \
-         THEN 'retry_lost' \
-    END";
+fn cause() -> String {
+    format!(
+        "CASE \
+           WHEN status = {PROCESSING} AND lease_expires_at < now() THEN 'lease_expired' \
+           WHEN status = {PROCESSING} AND lease_expires_at IS NULL \
+                AND processing_started_at < now() - make_interval(secs => $2) \
+                THEN 'stale_processing' \
+           WHEN status = {RETRYABLE_FAILED} \
+                AND greatest(last_failed_at, last_recovered_at) < now() - make_interval(secs => \
+                    ($3::float8[])[least(greatest(processing_attempt, 1), cardinality($3::float8[]))] + $4) \
+                THEN 'retry_lost' \
+         END"
+    )
+}
 
 /// The finder: every lost row (`$6` null), or one (`$6`), `$5` at most. `{lock}` is empty for
 /// the listing and `FOR UPDATE SKIP LOCKED` for the re-check of one row before it is changed.
 fn find_sql(t: &str, lock: &str) -> String {
+    let cause = cause();
     format!(
         "SELECT message_id, message_type, status, processing_attempt, lease_owner, \
-           correlation_id, payload IS NOT NULL AS has_payload, {CAUSE} AS cause, \
-           CASE WHEN status = 'RETRYABLE_FAILED' THEN greatest(last_failed_at, last_recovered_at) \
+           correlation_id, payload IS NOT NULL AS has_payload, {cause} AS cause, \
+           CASE WHEN status = {RETRYABLE_FAILED} THEN greatest(last_failed_at, last_recovered_at) \
                 ELSE coalesce(lease_expires_at, processing_started_at) END AS stuck_since \
          FROM {t} \
-         WHERE consumer_name = $1 AND status IN ('PROCESSING', 'RETRYABLE_FAILED') \
-           AND ($6::text IS NULL OR message_id = $6) AND ({CAUSE}) IS NOT NULL \
+         WHERE consumer_name = $1 AND status IN ({OPEN}) \
+           AND ($6::text IS NULL OR message_id = $6) AND ({cause}) IS NOT NULL \
          ORDER BY first_received_at, message_id LIMIT $5 {lock}"
     )
 }
@@ -466,13 +474,13 @@ impl Operations {
         );
         sqlx::query(audited(format!(
             "UPDATE {t} SET status = $3, last_recovered_at = now(), \
-               first_failed_at = CASE WHEN status = 'PROCESSING' \
+               first_failed_at = CASE WHEN status = {PROCESSING} \
                                  THEN coalesce(first_failed_at, now()) ELSE first_failed_at END, \
-               last_failed_at = CASE WHEN status = 'PROCESSING' THEN now() ELSE last_failed_at END, \
-               last_error_code = CASE WHEN status = 'PROCESSING' THEN $4 ELSE last_error_code END, \
-               last_error_message = CASE WHEN status = 'PROCESSING' THEN $5 \
+               last_failed_at = CASE WHEN status = {PROCESSING} THEN now() ELSE last_failed_at END, \
+               last_error_code = CASE WHEN status = {PROCESSING} THEN $4 ELSE last_error_code END, \
+               last_error_message = CASE WHEN status = {PROCESSING} THEN $5 \
                                     ELSE last_error_message END, \
-               fencing_token = CASE WHEN status = 'PROCESSING' \
+               fencing_token = CASE WHEN status = {PROCESSING} \
                                THEN coalesce(fencing_token, 0) + 1 ELSE fencing_token END, \
                lease_owner = NULL, lease_expires_at = NULL \
              WHERE consumer_name = $1 AND message_id = $2"

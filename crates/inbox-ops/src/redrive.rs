@@ -70,6 +70,7 @@ use crate::{
     operations::Operations,
     progress::Progress,
     reopen::{FORCED_REPLAY, reopen_row},
+    sql::OPEN,
 };
 use rabbit_inbox::{
     advisory_lock::{self, SessionLock},
@@ -78,6 +79,7 @@ use rabbit_inbox::{
     broker::Republished,
     envelope::EnvelopeRules,
     envelope::parse,
+    ledger_sql::PARKED,
     schema::SchemaName,
     status::InboxStatus,
 };
@@ -936,7 +938,7 @@ impl Operations {
         let mut tx = self.pool.begin().await?;
         let status: Option<String> = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT status FROM {} WHERE consumer_name = $1 AND message_id = $2 \
-               AND status IN ('PERMANENT_FAILED', 'POISONED', 'MANUAL_REVIEW') FOR UPDATE",
+               AND status IN ({PARKED}) FOR UPDATE",
             self.schema.qualify("message_inbox")
         )))
         .persistent(false)
@@ -1011,7 +1013,7 @@ impl Operations {
             (ParkedClass::Resume, Some(key), Some(consumer)) => {
                 let still_open: Option<String> = sqlx::query_scalar(AssertSqlSafe(format!(
                     "SELECT status FROM {} WHERE consumer_name = $1 AND message_id = $2 \
-                       AND status IN ('RETRYABLE_FAILED', 'PROCESSING') FOR UPDATE",
+                       AND status IN ({OPEN}) FOR UPDATE",
                     self.schema.qualify("message_inbox")
                 )))
                 .bind(consumer)

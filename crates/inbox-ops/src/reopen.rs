@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
 use crate::{actor::Actor, audit::audit, error::OpsError, operations::Operations};
-use rabbit_inbox::{schema::SchemaName, status::InboxStatus};
+use rabbit_inbox::{ledger_sql::RETRYABLE_FAILED, schema::SchemaName, status::InboxStatus};
 
 /// Audit action of a reopened failed row.
 pub const REOPEN: &str = "reopen";
@@ -109,7 +109,7 @@ pub(super) async fn reopen_row(
         }
     };
     sqlx::query(AssertSqlSafe(format!(
-        "UPDATE {t} SET status = 'RETRYABLE_FAILED', processing_attempt = 0, \
+        "UPDATE {t} SET status = {RETRYABLE_FAILED}, processing_attempt = 0, \
            discarded_at = NULL \
          WHERE consumer_name = $1 AND message_id = $2"
     )))

@@ -38,6 +38,7 @@ use crate::{
 use rabbit_inbox::{
     broker::{Broker, OutgoingMessage, ParkingLot},
     canonical_json::canonical_json,
+    ledger_sql::PROCESSED,
     status::{InboxStatus, parking_headers},
 };
 
@@ -309,7 +310,7 @@ impl Operations {
         publish(publisher.broker, publisher.queue, &replacement).await?;
         report.published = true;
         sqlx::query(AssertSqlSafe(format!(
-            "UPDATE {} SET status = 'PROCESSED', processed_at = now(), replaced_by = $3 \
+            "UPDATE {} SET status = {PROCESSED}, processed_at = now(), replaced_by = $3 \
              WHERE consumer_name = $1 AND message_id = $2",
             self.schema.qualify("message_inbox")
         )))

@@ -25,9 +25,11 @@ use crate::{
     error::OpsError,
     operations::Operations,
     progress::{NoProgress, Progress},
+    sql::PARKED_BY_FAILURE,
 };
 use rabbit_inbox::{
     ConfigError, ConsumerConfig,
+    ledger_sql::PROCESSED,
     retention::{RetentionMode, RetentionPolicy},
     retry::RetryPolicy,
     schema::SchemaName,
@@ -143,14 +145,22 @@ fn sql(text: String) -> SqlStr {
 }
 
 /// Rows a PROCESSED pass may touch: its consumer, its slice, its types.
-const PROCESSED_SLICE: &str = "consumer_name = $1 AND status = 'PROCESSED' \
-     AND processed_at >= coalesce($2::timestamptz, '-infinity') AND processed_at < $3 \
-     AND ($4::text IS NULL OR message_type = $4) AND message_type <> ALL($5::text[])";
+fn processed_slice() -> String {
+    format!(
+        "consumer_name = $1 AND status = {PROCESSED} \
+         AND processed_at >= coalesce($2::timestamptz, '-infinity') AND processed_at < $3 \
+         AND ($4::text IS NULL OR message_type = $4) AND message_type <> ALL($5::text[])"
+    )
+}
 
 /// Parked rows whose last failure is older than $2. `first_received_at` comes first so the
 /// partial index of open rows finds them (a row's last failure is never before its receipt).
-const PARKED_EXPIRED: &str = "consumer_name = $1 AND status IN ('PERMANENT_FAILED', 'POISONED') \
-     AND first_received_at < $2 AND coalesce(last_failed_at, first_received_at) < $2";
+fn parked_expired() -> String {
+    format!(
+        "consumer_name = $1 AND status IN ({PARKED_BY_FAILURE}) \
+         AND first_received_at < $2 AND coalesce(last_failed_at, first_received_at) < $2"
+    )
+}
 
 /// A row that still holds something of its message: a body, headers, or an error message that
 /// is not only its safe detail (in clear or sealed).
@@ -169,6 +179,7 @@ impl Sql {
         let tomb = schema.qualify("inbox_tombstone");
         let archive = schema.qualify("inbox_archive");
         let marks = schema.qualify("inbox_retention_mark");
+        let (processed_slice, parked_expired) = (processed_slice(), parked_expired());
         // One removal statement, whatever picks the rows: delete them by the row locations
         // the locking select returned (a TID scan, no join to plan), write their tombstones
         // (and in archive mode their archive rows) from what DELETE returned.
@@ -198,33 +209,33 @@ impl Sql {
                    last_error_message = {SCRUBBED_ERROR}, last_error_sealed = NULL, \
                    last_error_key_id = NULL \
                  WHERE ctid = ANY(ARRAY(SELECT ctid FROM {t} \
-                   WHERE {PROCESSED_SLICE} AND {UNSCRUBBED} LIMIT $6 FOR UPDATE SKIP LOCKED))"
+                   WHERE {processed_slice} AND {UNSCRUBBED} LIMIT $6 FOR UPDATE SKIP LOCKED))"
             )),
             remove_processed: remove(
                 format!(
-                    "SELECT ctid FROM {t} WHERE {PROCESSED_SLICE} \
+                    "SELECT ctid FROM {t} WHERE {processed_slice} \
                      LIMIT $6 FOR UPDATE SKIP LOCKED"
                 ),
                 "$7::bool",
             ),
             count_scrub: sql(format!(
-                "SELECT count(*) FROM {t} WHERE {PROCESSED_SLICE} AND {UNSCRUBBED}"
+                "SELECT count(*) FROM {t} WHERE {processed_slice} AND {UNSCRUBBED}"
             )),
-            count_processed: sql(format!("SELECT count(*) FROM {t} WHERE {PROCESSED_SLICE}")),
+            count_processed: sql(format!("SELECT count(*) FROM {t} WHERE {processed_slice}")),
             min_scrub: sql(format!(
-                "SELECT min(processed_at) FROM {t} WHERE {PROCESSED_SLICE} AND {UNSCRUBBED}"
+                "SELECT min(processed_at) FROM {t} WHERE {processed_slice} AND {UNSCRUBBED}"
             )),
             min_processed: sql(format!(
-                "SELECT min(processed_at) FROM {t} WHERE {PROCESSED_SLICE}"
+                "SELECT min(processed_at) FROM {t} WHERE {processed_slice}"
             )),
             remove_parked: remove(
                 format!(
-                    "SELECT ctid FROM {t} WHERE {PARKED_EXPIRED} \
+                    "SELECT ctid FROM {t} WHERE {parked_expired} \
                      LIMIT $3 FOR UPDATE SKIP LOCKED"
                 ),
                 "$4::bool",
             ),
-            count_parked: sql(format!("SELECT count(*) FROM {t} WHERE {PARKED_EXPIRED}")),
+            count_parked: sql(format!("SELECT count(*) FROM {t} WHERE {parked_expired}")),
             expire_tombstones: sql(format!(
                 "DELETE FROM {tomb} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {tomb} \
                    WHERE consumer_name = $1 AND removed_at < $2 \

@@ -1,8 +1,20 @@
 //! The SQL text the operations build: statements formatted from the schema's qualified table
 //! names (never from a request's values, which are bound), and the fragments several of them
-//! share.
+//! share. Statuses are spliced from the core's [`rabbit_inbox::ledger_sql`] sets, and from the
+//! ones below where the operations need another grouping.
 
+use rabbit_inbox::{ledger_sql::Statuses, status::InboxStatus};
 use sqlx::AssertSqlSafe;
+
+/// The open statuses: a row being worked on or waiting for its retry, which a delivery or
+/// recovery still moves on.
+pub(crate) const OPEN: Statuses =
+    Statuses(&[InboxStatus::Processing, InboxStatus::RetryableFailed]);
+
+/// The parked statuses a failure sets (the consumer parked the copy itself); not
+/// MANUAL_REVIEW, where recovery sets a row aside for an operator.
+pub(crate) const PARKED_BY_FAILURE: Statuses =
+    Statuses(&[InboxStatus::PermanentFailed, InboxStatus::Poisoned]);
 
 /// A statement formatted from qualified table names and fixed text only.
 pub(crate) fn sql(text: String) -> AssertSqlSafe<String> {

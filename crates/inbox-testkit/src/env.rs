@@ -17,8 +17,8 @@ use std::{
 use rabbit_inbox::{
     BatchError, BatchHandler, Consumer, ConsumerConfig, ErrorKind, Handler, HandlerError,
     InboxMessage, RunError, Runner, SchemaName, Topology, broker::Broker, broker::OutgoingMessage,
-    broker::QueueDepths, envelope::AmqpMessage, stats::ConsumerStats, stats::StatsSnapshot,
-    store::InboxRecord, store::InboxStore,
+    broker::ParkingLot, broker::QueueDepths, envelope::AmqpMessage, stats::ConsumerStats,
+    stats::StatsSnapshot, store::InboxRecord, store::InboxStore,
 };
 use serde_json::{Map, Value};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, postgres::PgPoolOptions};
@@ -297,6 +297,25 @@ impl TestEnv {
             .expect("queue depths")
     }
 
+    /// Takes one message from `queue` (gets and acks it), `None` if the queue is empty: how a
+    /// test reads what a queue received. Read through the library's parking-lot reader, which
+    /// reads any queue by name and converts what it gets as the consumer converts a delivery.
+    pub async fn take_one(&self, queue: &str) -> Option<AmqpMessage> {
+        let reader = ParkingLot::connect(&amqp_url(), queue, queue)
+            .await
+            .expect("RabbitMQ is reachable");
+        let taken = match reader.next().await.expect("basic.get") {
+            Some(got) => {
+                let message = got.message().clone();
+                reader.remove(got).await.expect("basic.ack");
+                Some(message)
+            }
+            None => None,
+        };
+        reader.close().await;
+        taken
+    }
+
     /// Waits until `n` messages are in the parking lot, then takes them all.
     pub async fn take_parked(&self, topology: &Topology, n: u32) -> Vec<AmqpMessage> {
         wait_for(&format!("{n} parked message(s)"), async || {
@@ -304,12 +323,7 @@ impl TestEnv {
         })
         .await;
         let mut parked = Vec::new();
-        while let Some(m) = self
-            .broker
-            .take_one(&topology.parking_queue)
-            .await
-            .expect("basic.get")
-        {
+        while let Some(m) = self.take_one(&topology.parking_queue).await {
             parked.push(m);
         }
         parked

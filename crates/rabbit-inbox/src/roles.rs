@@ -9,7 +9,10 @@
 //! schema are the application's to grant) nor writes the migrations ledger. Migrations run as
 //! the schema's owner, never as one of these roles.
 
-use crate::schema::{MIGRATIONS_TABLE, SchemaName};
+use crate::{
+    ledger_sql::tables,
+    schema::{MIGRATIONS_TABLE, SchemaName},
+};
 
 /// Which grants a role gets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -130,13 +133,13 @@ const AUDIT_ARGS: &str = "text, text, text, text, text, text, jsonb";
 /// The library's tables an operator reads (and an admin writes). Tables an application keeps
 /// in the same schema are not among them.
 const INBOX_TABLES: [&str; 7] = [
-    "message_inbox",
-    "inbox_event",
-    "inbox_tombstone",
-    "inbox_archive",
-    "inbox_retention_mark",
-    "outbox",
-    "outbox_stream",
+    tables::MESSAGE_INBOX,
+    tables::INBOX_EVENT,
+    tables::INBOX_TOMBSTONE,
+    tables::INBOX_ARCHIVE,
+    tables::INBOX_RETENTION_MARK,
+    tables::OUTBOX,
+    tables::OUTBOX_STREAM,
 ];
 
 /// Columns of the migrations ledger the doctor compares with the library's migrations.
@@ -160,24 +163,24 @@ pub fn grant_statements(schema: &SchemaName, kind: RoleKind, grantee: &str) -> V
     };
     match kind {
         RoleKind::Consumer => {
-            grant("SELECT, INSERT, UPDATE", "message_inbox");
-            grant("SELECT", "inbox_tombstone");
+            grant("SELECT, INSERT, UPDATE", tables::MESSAGE_INBOX);
+            grant("SELECT", tables::INBOX_TOMBSTONE);
             // Handlers enqueue; a relay in the consumer's process claims and marks rows.
-            grant("SELECT, INSERT, UPDATE", "outbox");
+            grant("SELECT, INSERT, UPDATE", tables::OUTBOX);
             grant("USAGE", "outbox_seq_seq");
-            grant("SELECT, INSERT, UPDATE", "outbox_stream");
+            grant("SELECT, INSERT, UPDATE", tables::OUTBOX_STREAM);
         }
         RoleKind::Retention => {
-            grant("SELECT, UPDATE, DELETE", "message_inbox");
-            grant("SELECT, INSERT, UPDATE, DELETE", "inbox_tombstone");
-            grant("INSERT", "inbox_archive");
+            grant("SELECT, UPDATE, DELETE", tables::MESSAGE_INBOX);
+            grant("SELECT, INSERT, UPDATE, DELETE", tables::INBOX_TOMBSTONE);
+            grant("INSERT", tables::INBOX_ARCHIVE);
             grant("USAGE", "inbox_archive_archive_id_seq");
-            grant("SELECT, INSERT, UPDATE", "inbox_retention_mark");
+            grant("SELECT, INSERT, UPDATE", tables::INBOX_RETENTION_MARK);
             // The relay's retention of sent rows.
-            grant("SELECT, DELETE", "outbox");
+            grant("SELECT, DELETE", tables::OUTBOX);
         }
         RoleKind::Operator => {
-            for t in INBOX_TABLES.iter().chain(&["inbox_audit"]) {
+            for t in INBOX_TABLES.iter().chain(&[tables::INBOX_AUDIT]) {
                 grant("SELECT", t);
             }
             // The doctor compares the applied migrations with the library's; nothing more.
@@ -187,7 +190,7 @@ pub fn grant_statements(schema: &SchemaName, kind: RoleKind, grantee: &str) -> V
             for t in INBOX_TABLES {
                 grant("SELECT, INSERT, UPDATE, DELETE", t);
             }
-            grant("SELECT", "inbox_audit");
+            grant("SELECT", tables::INBOX_AUDIT);
             grant(&format!("SELECT ({LEDGER_COLUMNS})"), MIGRATIONS_TABLE);
             grant("USAGE", "inbox_archive_archive_id_seq");
             grant("USAGE", "outbox_seq_seq");

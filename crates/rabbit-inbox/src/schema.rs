@@ -200,8 +200,10 @@ async fn apply_migrations(conn: &mut PgConnection, schema: &SchemaName) -> Resul
     Ok(())
 }
 
-/// Drops `schema` and everything in it. For tests and demos that own their schema. Waits for
-/// a migration of the schema in progress to finish.
+/// Drops `schema` and everything in it, for good: the ledger, its history and audit, and any
+/// business table kept there. For removing a consumer's schema: tearing down a test or a demo,
+/// or decommissioning a consumer. Not part of running a consumer: the consumer runtime never
+/// calls it. Waits for a migration of the schema in progress to finish.
 pub async fn drop_schema(pool: &PgPool, schema: &SchemaName) -> Result<(), StoreError> {
     let mut lock = SchemaLock::acquire(pool, schema).await?;
     let dropped = sqlx::raw_sql(AssertSqlSafe(format!(

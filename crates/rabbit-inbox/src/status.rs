@@ -36,6 +36,16 @@ pub enum InboxStatus {
 }
 
 impl InboxStatus {
+    /// Every status, in the order above (the values the `status` column's check allows).
+    pub const ALL: [InboxStatus; 6] = [
+        InboxStatus::Processing,
+        InboxStatus::Processed,
+        InboxStatus::RetryableFailed,
+        InboxStatus::PermanentFailed,
+        InboxStatus::Poisoned,
+        InboxStatus::ManualReview,
+    ];
+
     /// The value stored in the `status` column.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -57,6 +67,22 @@ impl InboxStatus {
         )
     }
 }
+
+// A status added to the enum stops this compiling: add it to `InboxStatus::ALL` too.
+const _: () = {
+    let mut i = 0;
+    while i < InboxStatus::ALL.len() {
+        match InboxStatus::ALL[i] {
+            InboxStatus::Processing
+            | InboxStatus::Processed
+            | InboxStatus::RetryableFailed
+            | InboxStatus::PermanentFailed
+            | InboxStatus::Poisoned
+            | InboxStatus::ManualReview => {}
+        }
+        i += 1;
+    }
+};
 
 impl fmt::Display for InboxStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -13,7 +13,7 @@ use sqlx::{PgConnection, Row, SqlStr};
 use crate::{
     envelope::{Envelope, HEADER_TOO_DEEP, MAX_HEADER_DEPTH},
     error::StoreError,
-    ledger_sql::tables,
+    ledger_sql::{audited, tables},
     privacy::{
         PayloadPrivacy, PayloadRules, PayloadStorage, Phase, Sealed, StoredError, StoredPayload,
     },
@@ -245,11 +245,6 @@ struct Sql {
     sample_open: SqlStr,
     oldest_processed: SqlStr,
 }
-
-// The shared conditions and the SQL text constructor under the paths the operator crate
-// imports them by; they live in [`crate::ledger_sql`].
-#[doc(hidden)]
-pub use crate::ledger_sql::{audited, overdue_by, stale_processing};
 
 const RECORD_COLUMNS: &str = "message_id, consumer_name, message_type, message_version, \
      aggregate_type, aggregate_id, status, processing_attempt, delivery_count, \

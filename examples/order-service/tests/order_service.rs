@@ -12,8 +12,8 @@ use std::{
 use order_service::messages::{order_cancelled, order_placed, payment_received, routing_key};
 use rabbit_inbox::{
     Consumer, ConsumerConfig, InboxStatus, SchemaName, broker::Broker, broker::OutgoingMessage,
-    broker::QueueDepths, stats::ConsumerStats, stats::StatsSnapshot, status::parking_headers,
-    store::InboxRecord, store::InboxStore,
+    broker::ParkingLot, broker::QueueDepths, stats::ConsumerStats, stats::StatsSnapshot,
+    status::parking_headers, store::InboxRecord, store::InboxStore,
 };
 use sqlx::{AssertSqlSafe, PgPool, postgres::PgPoolOptions};
 use tokio::time::Instant;
@@ -354,12 +354,21 @@ async fn cancelling_a_paid_order_is_a_permanent_failure_and_parked() {
         svc.depths().await.parking == 1
     })
     .await;
-    let parked = svc
-        .broker
-        .take_one(&svc.config.topology.parking_queue)
+    let lot = ParkingLot::connect(
+        &amqp_url(),
+        &svc.config.topology.queue,
+        &svc.config.topology.parking_queue,
+    )
+    .await
+    .expect("RabbitMQ is reachable");
+    let copy = lot
+        .next()
         .await
         .expect("basic.get")
         .expect("parked message");
+    let parked = copy.message().clone();
+    lot.remove(copy).await.expect("basic.ack");
+    lot.close().await;
     let stats = consumer.stop().await;
 
     assert_eq!(

@@ -10,7 +10,7 @@ use super::{
     request::DoctorRequest,
 };
 use crate::{error::OpsError, operations::Operations};
-use rabbit_inbox::privacy::PayloadStorage;
+use rabbit_inbox::{ledger_sql::PROCESSED, privacy::PayloadStorage};
 
 impl Operations {
     pub(super) async fn check_privacy(
@@ -19,7 +19,7 @@ impl Operations {
     ) -> Result<Vec<Check>, OpsError> {
         // One pass over the rows that keep a payload (a scan of the table).
         let rows = sqlx::query(AssertSqlSafe(format!(
-            "SELECT message_type, status = 'PROCESSED' AS processed, count(*) AS kept, \
+            "SELECT message_type, status = {PROCESSED} AS processed, count(*) AS kept, \
                count(*) FILTER (WHERE payload_key_id IS NULL) AS clear \
              FROM {} WHERE payload IS NOT NULL AND ($1::text IS NULL OR consumer_name = $1) \
              GROUP BY 1, 2 ORDER BY 1, 2",

@@ -22,6 +22,7 @@ use crate::{
     operations::Operations,
     progress::NoProgress,
     redrive::{DOCTOR_LOT_PATIENCE, ParkedClass, ParkedKeys, RedriveRequest},
+    sql::PARKED_BY_FAILURE,
 };
 use rabbit_inbox::{broker::ParkingLot, broker::Topology};
 
@@ -210,7 +211,7 @@ impl Operations {
 
         let parked_rows = sqlx::query(AssertSqlSafe(format!(
             "SELECT consumer_name, message_id FROM {} \
-             WHERE status IN ('PERMANENT_FAILED', 'POISONED') AND discarded_at IS NULL \
+             WHERE status IN ({PARKED_BY_FAILURE}) AND discarded_at IS NULL \
                AND ($1::text IS NULL OR consumer_name = $1) \
                AND coalesce(last_failed_at, last_received_at) < $2 \
              ORDER BY first_received_at",

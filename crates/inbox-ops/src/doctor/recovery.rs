@@ -13,6 +13,7 @@ use crate::{
     error::OpsError,
     operations::Operations,
     recover::{RecoverRequest, RecoveryCause, RecoveryPolicy},
+    sql::OPEN,
 };
 
 /// Most rows recovery's dry run lists per consumer.
@@ -28,7 +29,7 @@ impl Operations {
         }
         Ok(sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT DISTINCT consumer_name FROM {} \
-             WHERE status IN ('PROCESSING', 'RETRYABLE_FAILED') ORDER BY 1",
+             WHERE status IN ({OPEN}) ORDER BY 1",
             self.schema.qualify("message_inbox")
         )))
         .persistent(false)

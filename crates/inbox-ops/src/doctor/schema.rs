@@ -263,15 +263,7 @@ impl Operations {
         };
         let validated: bool = row.try_get("validated")?;
         let definition: String = row.try_get("definition")?;
-        let statuses = [
-            rabbit_inbox::status::InboxStatus::Processing,
-            rabbit_inbox::status::InboxStatus::Processed,
-            rabbit_inbox::status::InboxStatus::RetryableFailed,
-            rabbit_inbox::status::InboxStatus::PermanentFailed,
-            rabbit_inbox::status::InboxStatus::Poisoned,
-            rabbit_inbox::status::InboxStatus::ManualReview,
-        ];
-        let absent: Vec<&str> = statuses
+        let absent: Vec<&str> = rabbit_inbox::status::InboxStatus::ALL
             .iter()
             .map(|s| s.as_str())
             .filter(|s| !definition.contains(&format!("'{s}'")))

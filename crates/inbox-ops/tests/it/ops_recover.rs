@@ -311,11 +311,7 @@ async fn manual_review_sets_lost_rows_aside_and_parks_their_late_copies() {
     env.publish(&topology, &thing("m3", 1)).await;
     let mut parked = None;
     wait_for("the late copy parked", async || {
-        parked = env
-            .broker
-            .take_one(&topology.parking_queue)
-            .await
-            .expect("basic.get");
+        parked = env.take_one(&topology.parking_queue).await;
         parked.is_some()
     })
     .await;

@@ -1,8 +1,7 @@
 //! AMQP header tables to JSON (for envelopes and the inbox row) and back (for publishing).
 
 use lapin::types::{
-    AMQPValue, FieldArray, FieldTable, LongString, ShortString,
-    parsing::{NESTED_TOO_DEEP, parse_field_table},
+    AMQPValue, FieldArray, FieldTable, LongString, ShortString, parsing::NESTED_TOO_DEEP,
 };
 use serde_json::{Map, Number, Value};
 
@@ -44,9 +43,10 @@ pub(crate) fn table_to_json(table: &FieldTable) -> (Map<String, Value>, Option<S
 /// it (a 4-byte length, then the entries), exposed for fuzzing and tests: the JSON headers and
 /// why they are incomplete, if they are (see [`table_to_json`]). It parses with the same bounded
 /// parser deliveries go through; `None` when `encoded` is not exactly one field table.
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub fn convert_encoded_headers(encoded: &[u8]) -> Option<(Map<String, Value>, Option<String>)> {
-    match parse_field_table(encoded) {
+    match lapin::types::parsing::parse_field_table(encoded) {
         Ok(([], table)) => Some(table_to_json(&table)),
         _ => None,
     }
@@ -310,6 +310,7 @@ mod tests {
         assert_eq!(j["bad"], "\u{fffd}a");
     }
 
+    #[cfg(feature = "fuzzing")]
     #[test]
     fn encoded_headers_convert_as_the_parsed_table_does() {
         let table = nested_tables(3, AMQPValue::Timestamp(7));

@@ -46,6 +46,7 @@ pub use addresses::AmqpAddresses;
 pub(crate) use addresses::check_addresses;
 pub(crate) use confirmed::{ConfirmedLink, ConnectFailed, Outstanding, Publication, PublishResult};
 pub(crate) use delivery::PendingDelivery;
+#[cfg(feature = "fuzzing")]
 pub use headers::convert_encoded_headers;
 pub use parking::{ParkedMessage, ParkingLot, QueueDepth, Republished};
 pub(crate) use publish::check_publishable;

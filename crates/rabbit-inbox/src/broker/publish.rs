@@ -6,22 +6,17 @@ use std::time::Duration;
 
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection,
-    options::{
-        BasicAckOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
-        QueueDeleteOptions,
-    },
+    options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions},
     types::FieldTable,
 };
 use serde_json::{Map, Value};
 
 use super::{
     addresses::connect,
-    delivery::amqp_message,
     headers::{json_to_table, short},
     topology::{Exchange, Topology, declare, declare_exchange},
 };
 use crate::{
-    envelope::AmqpMessage,
     error::{AmqpResult, BrokerError},
     retry::RetryPolicy,
 };
@@ -228,31 +223,11 @@ impl Broker {
         })
     }
 
-    /// Fetches one message from `queue` and acks it: for tools that drain a queue into a
-    /// report (parking-lot inspection, tests). Returns the message and its headers.
-    pub async fn take_one(&self, queue: &str) -> Result<Option<AmqpMessage>, BrokerError> {
-        let got = self
-            .channel
-            .basic_get(queue.into(), lapin::options::BasicGetOptions::default())
-            .await
-            .amqp()?;
-        match got {
-            None => Ok(None),
-            Some(get) => {
-                let message = amqp_message(&get.delivery);
-                get.delivery
-                    .acker
-                    .ack(BasicAckOptions::default())
-                    .await
-                    .amqp()?;
-                Ok(Some(message))
-            }
-        }
-    }
-
-    /// Deletes the topology's queues, the retry tiers of `retry` among them (tests and demos
-    /// that own them). Also deletes a queue named `retry_queue` itself, the single retry queue
-    /// of earlier versions.
+    /// Deletes the topology's queues for good, messages and all: the work queue, the retry
+    /// tiers of `retry`, the parking lot, and the topology's exchange if it names one. For
+    /// removing a consumer's queues: tearing down a test or a demo, or decommissioning a
+    /// consumer. Not part of running a consumer: the consumer runtime never calls it. Also
+    /// deletes a queue named `retry_queue` itself, the single retry queue of earlier versions.
     pub async fn delete(
         &self,
         topology: &Topology,

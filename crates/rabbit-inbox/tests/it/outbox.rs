@@ -94,7 +94,7 @@ async fn take(env: &TestEnv, queue: &str, n: usize) -> Vec<AmqpMessage> {
     let mut got = Vec::new();
     let deadline = Instant::now() + DEADLINE;
     while got.len() < n {
-        match env.broker.take_one(queue).await.expect("basic.get") {
+        match env.take_one(queue).await {
             Some(m) => got.push(m),
             None => {
                 assert!(
@@ -112,7 +112,7 @@ async fn take(env: &TestEnv, queue: &str, n: usize) -> Vec<AmqpMessage> {
 /// Nothing more arrives on `queue` within `quiet`.
 async fn assert_quiet(env: &TestEnv, queue: &str, quiet: Duration) {
     tokio::time::sleep(quiet).await;
-    let extra = env.broker.take_one(queue).await.expect("basic.get");
+    let extra = env.take_one(queue).await;
     assert!(
         extra.is_none(),
         "unexpected message on {queue}: {:?}",
