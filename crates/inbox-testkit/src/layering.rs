@@ -354,6 +354,7 @@ fn target<'m>(modules: &BTreeMap<&'m [String], usize>, path: &'m [String]) -> Op
 fn imported_paths(source: &str) -> Vec<Vec<String>> {
     let code = without_test_modules(&code_only(source));
     let chars: Vec<char> = code.chars().collect();
+    let inline = inline_module_depths(&chars);
     let mut found = Vec::new();
     let mut i = 0;
     while i < chars.len() {
@@ -372,10 +373,74 @@ fn imported_paths(source: &str) -> Vec<Vec<String>> {
             continue;
         }
         let mut at = i;
-        path_tree(&chars, &mut at, Vec::new(), &mut found);
+        let mut paths = Vec::new();
+        path_tree(&chars, &mut at, Vec::new(), &mut paths);
+        found.extend(
+            paths
+                .into_iter()
+                .filter_map(|path| from_file_module(path, inline[i])),
+        );
         i = at.max(i + 1);
     }
     found
+}
+
+/// `path`, written `depth` inline modules (`mod name { … }`) deep in a file, as the file's
+/// module would write it; `None` when it stays inside the file (`self::`, or no more
+/// `super::` than inline modules), which imports nothing from another file.
+fn from_file_module(path: Vec<String>, depth: usize) -> Option<Vec<String>> {
+    if depth == 0 || path.first().is_some_and(|s| s == "crate") {
+        return Some(path);
+    }
+    if path.first().is_some_and(|s| s == "self") {
+        return None;
+    }
+    let supers = path.iter().take_while(|s| *s == "super").count();
+    (supers > depth).then(|| path[depth..].to_vec())
+}
+
+/// For each character of `chars`, how many inline modules (`mod name { … }`) enclose it.
+fn inline_module_depths(chars: &[char]) -> Vec<usize> {
+    let mut depths = vec![0; chars.len()];
+    // The brace depth at which each open inline module's block began.
+    let mut open: Vec<usize> = Vec::new();
+    let mut braces = 0;
+    let mut i = 0;
+    while i < chars.len() {
+        let starts_ident = i == 0 || !is_ident(chars[i - 1]);
+        if starts_ident && matches_at(chars, i, "mod") {
+            let mut at = i + 3;
+            let spaced = chars.get(at).is_some_and(|c| c.is_whitespace());
+            skip_space(chars, &mut at);
+            let name_start = at;
+            while chars.get(at).is_some_and(|c| is_ident(*c)) {
+                at += 1;
+            }
+            skip_space(chars, &mut at);
+            if spaced && at > name_start && chars.get(at) == Some(&'{') {
+                for depth in &mut depths[i..=at] {
+                    *depth = open.len();
+                }
+                open.push(braces);
+                braces += 1;
+                i = at + 1;
+                continue;
+            }
+        }
+        match chars[i] {
+            '{' => braces += 1,
+            '}' => {
+                braces = braces.saturating_sub(1);
+                if open.last() == Some(&braces) {
+                    open.pop();
+                }
+            }
+            _ => {}
+        }
+        depths[i] = open.len();
+        i += 1;
+    }
+    depths
 }
 
 /// Reads one path or group at `at`, appending to `prefix`; pushes each complete path.
@@ -734,6 +799,18 @@ mod tests {
                       #[cfg(test)]\nmod tests {\n    use super::*;\n    use crate::h::T;\n}\n\
                       fn after() { super::i::j(); }\n";
         assert_eq!(paths(source), ["crate::f::V", "super::i::j"]);
+    }
+
+    #[test]
+    fn paths_in_inline_modules_are_read_from_the_file_module() {
+        let source = "use super::a::B;\n\
+                      mod statements {\n    use super::COLUMNS;\n    use self::inner::X;\n    \
+                      use super::super::c::D;\n    fn f() { crate::e::F; }\n}\n\
+                      fn after() { super::g::H; }\n";
+        assert_eq!(
+            paths(source),
+            ["super::a::B", "super::c::D", "crate::e::F", "super::g::H"]
+        );
     }
 
     #[test]
