@@ -244,3 +244,16 @@ pub mod parking_headers {
     /// copies of the message that arrive before it is due are acked as duplicates.
     pub const RETRY_ATTEMPT: &str = "x-inbox-retry-attempt";
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_status_round_trips_through_its_stored_value() {
+        for s in InboxStatus::ALL {
+            assert_eq!(s.as_str().parse::<InboxStatus>().ok(), Some(s));
+        }
+        assert!("DONE".parse::<InboxStatus>().is_err());
+    }
+}
