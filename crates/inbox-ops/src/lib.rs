@@ -15,7 +15,7 @@
 //! **Invariant:** an operation that changes a row or moves a message takes an [`Actor`] and
 //! writes `inbox_audit` in the same transaction as the change; no operation deletes inbox
 //! evidence except retention, which leaves a tombstone.
-
+//!
 //! The root names the handle and its vocabulary ([`Operations`], [`Actor`], [`OpsError`],
 //! [`Progress`]) and what a service runs beside its consumer ([`Service`], [`RetentionTask`],
 //! [`RecoveryTask`]); everything else is reached through the module of its action:
