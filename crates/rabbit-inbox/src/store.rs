@@ -688,13 +688,15 @@ fn record_from_row(row: &sqlx::postgres::PgRow) -> Result<InboxRecord, StoreErro
     })
 }
 
-/// The trace id part of a W3C `traceparent` (`version-traceid-parentid-flags`).
-/// The advisory lock key of a row's copy in flight (see [`InboxStore::try_copy_locks`]). A
+/// The advisory lock key of a row's copy in flight (see [`InboxStore::try_copy_locks`]).
+/// Advisory locks are per database, so the key names the schema too: inboxes in other schemas
+/// (another service, another tenant) may use the same consumer name and message ids. A
 /// collision only makes a copy go round a retry tier once.
-pub(crate) fn copy_lock_key(consumer: &str, message_id: &str) -> i64 {
-    crate::advisory_lock::key(&["rabbit-inbox copy", consumer, message_id])
+pub(crate) fn copy_lock_key(schema: &SchemaName, consumer: &str, message_id: &str) -> i64 {
+    crate::advisory_lock::key(&["rabbit-inbox copy", schema.as_str(), consumer, message_id])
 }
 
+/// The trace id part of a W3C `traceparent` (`version-traceid-parentid-flags`).
 fn trace_id(traceparent: Option<&str>) -> Option<String> {
     traceparent?.split('-').nth(1).map(str::to_owned)
 }
@@ -968,7 +970,7 @@ impl InboxStore {
         }
         let keys: Vec<i64> = message_ids
             .iter()
-            .map(|id| copy_lock_key(consumer, id))
+            .map(|id| copy_lock_key(&self.schema, consumer, id))
             .collect();
         Ok(sqlx::query_scalar(
             "SELECT pg_try_advisory_lock(k) FROM unnest($1::int8[]) WITH ORDINALITY AS u(k, n) \
@@ -1344,6 +1346,28 @@ impl InboxStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copy_lock_keys_are_per_schema() {
+        let (a, b) = (
+            SchemaName::new("billing").expect("valid"),
+            SchemaName::new("shipping").expect("valid"),
+        );
+        // Advisory locks are per database: two inboxes with one consumer name must not share
+        // a row's copy lock (the other's parked message would send this one round a tier).
+        assert_ne!(
+            copy_lock_key(&a, "svc", "m1"),
+            copy_lock_key(&b, "svc", "m1")
+        );
+        assert_ne!(
+            copy_lock_key(&a, "svc", "m1"),
+            copy_lock_key(&a, "svc", "m2")
+        );
+        assert_eq!(
+            copy_lock_key(&a, "svc", "m1"),
+            copy_lock_key(&a, "svc", "m1")
+        );
+    }
 
     #[test]
     fn truncation_respects_char_boundaries() {

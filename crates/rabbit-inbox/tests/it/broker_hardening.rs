@@ -275,13 +275,10 @@ async fn retries_go_through_the_tier_of_their_attempt(queue_type: QueueType) {
     let row = env.record("svc", "m1").await.expect("row");
     let stats = consumer.stop().await;
 
-    // Tier 1, then tier 2. A copy that found the row's copy lock still held by another
-    // session goes round the first tier once more (`InFlightElsewhere`, see below), so on a
-    // loaded machine tier 1 may follow; never tier 2 twice or before tier 1.
-    assert!(
-        seen.starts_with(&[0, 1]) && seen[2..].iter().all(|&tier| tier == 0),
-        "waited in tier 1, then in tier 2: {seen:?}"
-    );
+    // Exactly tier 1, then tier 2. (Copy locks were once keyed without the schema, so another
+    // test's inbox with the same consumer name and message id sent this copy round tier 1
+    // again under a full parallel run.)
+    assert_eq!(seen, [0, 1], "waited in tier 1, then in tier 2");
     assert_eq!(row.processing_attempt, 3);
     let first = row.first_failed_at.expect("failed once");
     let second = row.last_failed_at.expect("failed twice");
@@ -297,9 +294,7 @@ async fn retries_go_through_the_tier_of_their_attempt(queue_type: QueueType) {
         "after attempt 2 it waited the second tier's delay: {waited_second:?}"
     );
     assert_eq!(env.effects("m1").await, 1);
-    // Two failed attempts, each recorded once. `stats.retried` also counts a copy that found
-    // the row's copy lock still held by another session and went round the first tier again
-    // (`InFlightElsewhere`), which a loaded machine's timing can add: at least the two.
+    // Two failed attempts, each recorded once, and two retries.
     let failed = env
         .scalar(&format!(
             "SELECT count(*) FROM \"{}\".inbox_event WHERE message_id = 'm1' AND kind = 'failed'",
@@ -307,7 +302,7 @@ async fn retries_go_through_the_tier_of_their_attempt(queue_type: QueueType) {
         ))
         .await;
     assert_eq!(failed, 2);
-    assert!(stats.retried >= 2, "{stats:?}");
+    assert_eq!(stats.retried, 2, "{stats:?}");
     assert_eq!(stats.sessions, 1);
     let depths = env
         .broker
