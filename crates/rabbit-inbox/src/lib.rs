@@ -43,6 +43,9 @@
 //! ledger, knowing no [`ConsumerConfig`]; the processor and the consumer runtime above both;
 //! background work ([`Relay`], [`InboxSampler`]) beside the runtime, never inside it.
 
+// A function of the core is read in one sitting: at most 80 lines (clippy.toml).
+#![warn(clippy::too_many_lines)]
+
 // The state machine's vocabulary.
 pub mod status;
 // Its words as SQL: the ledger's tables, status sets and shared conditions.
