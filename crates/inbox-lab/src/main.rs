@@ -278,10 +278,20 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
             let handler = order_service::OrderHandler::new(config.schema.clone())
                 .with_events_exchange(&args.events_exchange);
             let sampler = args.observe.sampler(&pool, &config)?;
+            // What a service runs beside its consumer: a retry copy the broker lost (a node
+            // failure can strand a quorum tier's expired messages) is republished.
+            let recovery = inbox_ops::RecoveryTask::new(
+                pool.clone(),
+                servers.amqp_url.clone(),
+                &config,
+                inbox_ops::RecoveryConfig::default(),
+            )?;
             let schema = config.schema.clone();
             let consumer = Consumer::new(servers.amqp_url.clone(), pool.clone(), config, handler)?;
             let stats = consumer.stats();
-            let mut service = Runner::new().task("consumer", |stop| consumer.run(stop));
+            let mut service = Runner::new()
+                .task("consumer", |stop| consumer.run(stop))
+                .task("recovery", |stop| recovery.run(stop));
             if args.relay {
                 let relay = Relay::new(servers.amqp_url.clone(), pool, RelayConfig::new(schema))?;
                 service = service.task("outbox relay", |stop| relay.run(stop));
