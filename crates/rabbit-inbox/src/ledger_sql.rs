@@ -136,29 +136,6 @@ pub fn audited(sql: String) -> SqlStr {
 mod tests {
     use super::*;
 
-    /// Every status, by a match that stops compiling when one is added.
-    fn all() -> Vec<InboxStatus> {
-        let every = [
-            InboxStatus::Processing,
-            InboxStatus::Processed,
-            InboxStatus::RetryableFailed,
-            InboxStatus::PermanentFailed,
-            InboxStatus::Poisoned,
-            InboxStatus::ManualReview,
-        ];
-        for status in every {
-            match status {
-                InboxStatus::Processing
-                | InboxStatus::Processed
-                | InboxStatus::RetryableFailed
-                | InboxStatus::PermanentFailed
-                | InboxStatus::Poisoned
-                | InboxStatus::ManualReview => {}
-            }
-        }
-        every.to_vec()
-    }
-
     #[test]
     fn renders_literals_and_lists() {
         assert_eq!(PROCESSED.to_string(), "'PROCESSED'");
@@ -174,7 +151,7 @@ mod tests {
 
     #[test]
     fn sets_follow_the_state_machine() {
-        for status in all() {
+        for &status in InboxStatus::ALL {
             assert_eq!(PARKED.contains(status), status.is_parked(), "{status}");
             assert_eq!(
                 CLOSED_TO_FAILURES.contains(status),
