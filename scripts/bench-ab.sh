@@ -11,7 +11,7 @@
 #   ROUNDS=N    alternating rounds (default 5): each round runs before, then after, one run each
 #
 # Builds into target/bench-ab (a shared target directory, so dependencies build once; the
-# binaries are copied out per revision). Figures: deliveries per second and CPU milliseconds
+# binaries are copied out per revision). Figures: deliveries per second, p99 latency and CPU milliseconds
 # per 1,000 messages (consumer process, and all processes), medians over the rounds. The
 # throughput of one run moves by tens of percent on a shared machine; CPU per message moves
 # less and is the figure to compare first.
