@@ -16,6 +16,7 @@
 # throughput of one run moves by tens of percent on a shared machine; CPU per message moves
 # less and is the figure to compare first.
 set -euo pipefail
+shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -28,6 +29,12 @@ if [ $# -ge 1 ] && [ "$1" != "--" ]; then head=$1; shift; fi
 bench_args=("$@")
 [ ${#bench_args[@]} -gt 0 ] || bench_args=(--modes per-message,batch --messages 20000)
 rounds=${ROUNDS:-5}
+for rev in "$base" ${head:+"$head"}; do
+  if ! git rev-parse --verify --quiet "$rev^{commit}" >/dev/null; then
+    echo "not a revision of this repository: $rev (see --help)" >&2
+    exit 2
+  fi
+done
 
 work=target/bench-ab
 mkdir -p "$work"
