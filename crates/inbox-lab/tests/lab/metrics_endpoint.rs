@@ -134,17 +134,34 @@ async fn consume_serves_the_catalog_to_prometheus() {
         String::from_utf8_lossy(&published.stderr)
     );
 
+    // "published N messages (U unique) ...": the N - U exact duplicates are counted only once
+    // their copy's batch has settled, which can be after the last order is processed.
+    let summary = String::from_utf8_lossy(&published.stdout);
+    let counts: Vec<u64> = summary
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse().ok())
+        .take(2)
+        .collect();
+    let [total, unique] = counts[..] else {
+        panic!("no message counts in the publish summary: {summary}");
+    };
+    assert!(
+        total > unique,
+        "seed 7 publishes exact duplicates: {summary}"
+    );
     let processed = "rabbit_inbox_outcomes_total{consumer=\"order-service\",message_type=\"OrderPlaced\",outcome=\"processed\"}";
+    let duplicates = "rabbit_inbox_duplicates_total{consumer=\"order-service\"";
     let text = loop {
         let text = scrape(&addr).await.unwrap_or_default();
         if sample(&text, processed).is_some_and(|n| n >= 20.0)
+            && sample(&text, duplicates).is_some_and(|n| n >= 1.0)
             && text.contains("rabbit_inbox_open_rows{")
         {
             break text;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "20 processed OrderPlaced and the sampled gauges never showed:\n{text}"
+            "20 processed OrderPlaced, a counted duplicate and the sampled gauges never showed:\n{text}"
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
     };
