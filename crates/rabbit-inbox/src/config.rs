@@ -11,6 +11,7 @@ use crate::{
     dedup::DedupStrategy,
     envelope::{EnvelopeRules, FieldLimits, MessageTypes},
     error::ConfigError,
+    ordering::OrderingPolicy,
     privacy::{PayloadPrivacy, PayloadStorage},
     retry::RetryPolicy,
     schema::SchemaName,
@@ -43,6 +44,10 @@ pub struct ConsumerConfig {
     /// Take a transaction-scoped advisory lock per aggregate before running handlers, for
     /// handlers that must not run concurrently for one aggregate across consumer instances.
     pub lock_aggregates: bool,
+    /// Per-key order through retries and parking (opt-in; see [`OrderingPolicy`]). `None`:
+    /// lanes keep each aggregate's messages in delivery order while nothing fails, and a retry
+    /// lets later messages of its aggregate overtake it.
+    pub ordering: Option<OrderingPolicy>,
     /// Which bodies the inbox keeps, for types without their own entry in `privacy`.
     pub payload_storage: PayloadStorage,
     /// Per-type storage, redaction and encryption of stored payloads.
@@ -87,6 +92,7 @@ impl ConsumerConfig {
             max_batch_delay: Duration::from_millis(5),
             lanes: 2,
             lock_aggregates: false,
+            ordering: None,
             payload_storage: PayloadStorage::FailedOnly,
             privacy: PayloadPrivacy::default(),
             reconnect_initial_delay: Duration::from_millis(200),

@@ -33,6 +33,9 @@ pub mod tables {
     pub const INBOX_RETENTION_MARK: &str = "inbox_retention_mark";
     /// Messages written in business transactions, waiting for the relay.
     pub const OUTBOX: &str = "outbox";
+    /// Per ordering key of an ordered consumer: its blocking head, held messages, next
+    /// sequence number.
+    pub const INBOX_ORDER_KEY: &str = "inbox_order_key";
     /// The last position taken per ordering key of the outbox.
     pub const OUTBOX_STREAM: &str = "outbox_stream";
 }

@@ -73,6 +73,8 @@ pub mod telemetry;
 // The ledger and the broker.
 pub mod broker;
 pub mod store;
+// Per-key order, above the ledger it writes.
+pub mod ordering;
 
 // What application code writes, and what runs it.
 pub mod config;

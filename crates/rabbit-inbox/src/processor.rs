@@ -28,13 +28,16 @@ use crate::{
     error::StoreError,
     handler::{BatchError, BatchHandler, ErrorKind, HandlerError, InboxMessage},
     outbox::Outbox,
+    ordering::{
+        Arrival, Candidate, Decision, KeyAdvance, KeyNote, OrderLedger, OrderingPolicy, decide,
+    },
     retry::RetryPolicy,
     stats::ConsumerStats,
     status::{
-        ConfirmedCopy, HANDLER_PANICKED, InboxStatus, Outcome, PAYLOAD_CONFLICT,
-        TRANSACTION_ABORTED,
+        ConfirmedCopy, HANDLER_PANICKED, InboxStatus, ORDER_HEADER_INVALID, Outcome,
+        PAYLOAD_CONFLICT, SEQUENCE_PASSED, TRANSACTION_ABORTED,
     },
-    store::{Claim, Failure, InboxRecord, InboxStore, Redelivery},
+    store::{Claim, Failure, HeldRow, InboxRecord, InboxStore, Redelivery},
     telemetry::{
         failure_log::{FailureLine, FailureLog},
         metrics as m,
@@ -276,6 +279,14 @@ pub(crate) struct Processor<H> {
     parking_queue: String,
     /// Retry tier queues by tier, for the log.
     retry_tiers: Vec<String>,
+    /// Per-key order, when the consumer keeps it.
+    ordering: Option<KeyOrder>,
+}
+
+/// An ordered consumer's policy and the statements of its per-key rows.
+struct KeyOrder {
+    policy: OrderingPolicy,
+    ledger: OrderLedger,
 }
 
 /// Why a batch transaction did not commit.
@@ -462,6 +473,10 @@ struct Triage<'a> {
     redeliveries: Vec<Redelivery<'a>>,
     /// Rows whose copy may be in flight elsewhere: parked or retryable, no copy noted.
     contested: Vec<(usize, Box<InboxRecord>)>,
+    /// Copies of HELD rows: position in their key's order, first receipt.
+    held: Vec<(usize, i64, chrono::DateTime<chrono::Utc>)>,
+    /// Ordered messages that run: the key's head or not, for the key's row after the run.
+    ordered_runs: Vec<(usize, bool)>,
 }
 
 impl Triage<'_> {
@@ -474,6 +489,8 @@ impl Triage<'_> {
             stale_taken_over: 0,
             redeliveries: Vec::new(),
             contested: Vec::new(),
+            held: Vec::new(),
+            ordered_runs: Vec::new(),
         }
     }
 }
@@ -529,6 +546,10 @@ impl<H: BatchHandler> Processor<H> {
             failure_log: FailureLog::new(&config.consumer_name, &config.telemetry),
             parking_queue: config.topology.parking_queue.clone(),
             retry_tiers: config.topology.retry_tier_queues(&config.retry),
+            ordering: config.ordering.clone().map(|policy| KeyOrder {
+                policy,
+                ledger: OrderLedger::new(&config.schema),
+            }),
         }
     }
 
@@ -731,7 +752,9 @@ impl<H: BatchHandler> Processor<H> {
             if active.is_empty() {
                 continue;
             }
-            match self.transaction(items, &active, mode, db).await {
+            // What failed earlier in the round: an ordered key holds what follows it.
+            let failed: Vec<usize> = plan.failed.iter().map(|f| f.index).collect();
+            match self.transaction(items, &active, mode, &failed, db).await {
                 Ok(done) => self.take_committed(items, done, &mut plan, outcomes),
                 Err(e) => self.replan(e, active, mode, &mut plan, outcomes, db),
             }
@@ -902,6 +925,7 @@ impl<H: BatchHandler> Processor<H> {
         items: &[Parsed],
         active: &[usize],
         mode: Mode,
+        failed: &[usize],
         db: &mut LaneConnection,
     ) -> Result<Committed, TxError> {
         let began = std::time::Instant::now();
@@ -912,7 +936,7 @@ impl<H: BatchHandler> Processor<H> {
             .map_err(|e| TxError::Outage(e.to_string()))?;
         let mut result = match mode {
             Mode::Optimistic => {
-                self.apply(items, active, &mut tx, &copy_locks)
+                self.apply(items, active, failed, &mut tx, &copy_locks)
                     .await
                     .map(|(decided, txid)| {
                         (
@@ -926,7 +950,7 @@ impl<H: BatchHandler> Processor<H> {
                     })
             }
             Mode::Savepoints => {
-                self.apply_in_groups(items, active, &mut tx, &copy_locks)
+                self.apply_in_groups(items, active, failed, &mut tx, &copy_locks)
                     .await
             }
         };
@@ -979,6 +1003,7 @@ impl<H: BatchHandler> Processor<H> {
         &self,
         items: &[Parsed],
         active: &[usize],
+        failed: &[usize],
         tx: &mut PgConnection,
         copy_locks: &AtomicBool,
     ) -> Result<(Committed, Option<i64>), TxError> {
@@ -1004,7 +1029,12 @@ impl<H: BatchHandler> Processor<H> {
             }
             savepoint(tx, "SAVEPOINT inbox_group").await?;
             savepoints += 1;
-            let blamed = match self.apply(items, &group, tx, copy_locks).await {
+            let failed: Vec<usize> = failed
+                .iter()
+                .copied()
+                .chain(done.failed.iter().map(|(i, _)| *i))
+                .collect();
+            let blamed = match self.apply(items, &group, &failed, tx, copy_locks).await {
                 Ok((decided, t)) => {
                     done.decided.extend(decided);
                     txid = t.or(txid);
@@ -1036,10 +1066,12 @@ impl<H: BatchHandler> Processor<H> {
         &self,
         items: &[Parsed],
         active: &[usize],
+        failed: &[usize],
         tx: &mut PgConnection,
         copy_locks: &AtomicBool,
     ) -> Result<(Vec<(usize, Outcome)>, Option<i64>), TxError> {
         let envelopes: Vec<&Envelope> = active.iter().map(|&i| &items[i].envelope).collect();
+        self.lock_order_keys(&envelopes, tx).await?;
         let batch = self
             .store
             .claim_committing(&mut *tx, &self.consumer, &envelopes, true)
@@ -1048,6 +1080,7 @@ impl<H: BatchHandler> Processor<H> {
         let mut triage = self.triage(active, &envelopes, batch.claims, batch.db_now);
         self.settle_contested(items, &mut triage, tx, copy_locks)
             .await?;
+        self.gate_order(items, &mut triage, failed, tx).await?;
         self.reclaim(items, &mut triage, tx).await?;
         self.store
             .note_redeliveries(&mut *tx, &self.consumer, &triage.redeliveries)
@@ -1071,6 +1104,7 @@ impl<H: BatchHandler> Processor<H> {
         self.run_handler(items, &triage, batch.db_now, tx).await?;
         self.mark_reclaimed_processed(items, &triage.reclaim, tx)
             .await?;
+        self.advance_order(items, &triage.ordered_runs, tx).await?;
         let Triage {
             mut decided, run, ..
         } = triage;
@@ -1119,6 +1153,17 @@ impl<H: BatchHandler> Processor<H> {
             }
             let outcome = match record.status {
                 InboxStatus::Processed => Outcome::Duplicate,
+                InboxStatus::Held if self.ordering.is_some() => {
+                    let position = record.order_position.unwrap_or_default();
+                    triage.held.push((i, position, record.first_received_at));
+                    continue;
+                }
+                // Held by an ordered consumer that no longer orders: its turn is now.
+                InboxStatus::Held => {
+                    triage.reclaim.push(i);
+                    triage.first_received.push((i, record.first_received_at));
+                    continue;
+                }
                 InboxStatus::RetryableFailed
                 | InboxStatus::PermanentFailed
                 | InboxStatus::Poisoned
@@ -1513,6 +1558,7 @@ impl<H: BatchHandler> Processor<H> {
             .note_redeliveries(&mut *tx, &self.consumer, &notes)
             .await
             .map_err(FailureTxError::store)?;
+        self.block_order_keys(items, failures, &decided, tx).await?;
         self.hold_copy_locks(&mut decided, items, tx, copy_locks)
             .await?;
         Ok(decided)
@@ -1688,6 +1734,295 @@ impl<H: BatchHandler> Processor<H> {
             }
         }
         Ok(())
+    }
+}
+
+/// Ordered consumers: the keys' locks, the ordering decision, the keys' rows after a run or a
+/// failure (see [`crate::ordering`]).
+impl<H: BatchHandler> Processor<H> {
+    /// The ordering key of `envelope` and its sequence number (`Ok(None)`: not ordered).
+    fn order_of<'e>(
+        order: &KeyOrder,
+        envelope: &'e Envelope,
+    ) -> Result<Option<(&'e str, Option<i64>)>, String> {
+        let Some(key) = order.policy.key_of(envelope)? else {
+            return Ok(None);
+        };
+        Ok(Some((key, order.policy.sequence_of(envelope)?)))
+    }
+
+    /// Locks the ordered keys of the batch before its claim, so that deciding on a key and
+    /// writing its rows is one step for every consumer instance.
+    async fn lock_order_keys(
+        &self,
+        envelopes: &[&Envelope],
+        tx: &mut PgConnection,
+    ) -> Result<(), TxError> {
+        let Some(order) = &self.ordering else {
+            return Ok(());
+        };
+        let keys: Vec<&str> = envelopes
+            .iter()
+            .filter_map(|e| order.policy.key_of(e).ok().flatten())
+            .collect();
+        order
+            .ledger
+            .lock_keys(tx, &self.consumer, &keys)
+            .await
+            .map_err(TxError::from_store)
+    }
+
+    /// The ordering decision over the messages about to run and the copies of held rows:
+    /// holds what must wait (recorded HELD, acked), lets a held copy whose turn has come run,
+    /// refuses an unusable ordering header or a passed sequence number (parked, not blocking).
+    async fn gate_order(
+        &self,
+        items: &[Parsed],
+        triage: &mut Triage<'_>,
+        failed: &[usize],
+        tx: &mut PgConnection,
+    ) -> Result<(), TxError> {
+        let Some(order) = &self.ordering else {
+            return Ok(());
+        };
+        let held = std::mem::take(&mut triage.held);
+        let fresh = triage.run.iter().map(|&(i, _)| i).chain(triage.reclaim.iter().copied());
+        let arrivals = fresh
+            .map(|i| (i, Arrival::Fresh))
+            .chain(held.iter().map(|&(i, at, _)| (i, Arrival::HeldCopy(at))));
+        let mut candidates = Vec::new();
+        let mut refused = Vec::new();
+        for (i, arrival) in arrivals {
+            let envelope = &items[i].envelope;
+            match Self::order_of(order, envelope) {
+                Ok(Some((key, sequence))) => candidates.push(Candidate {
+                    index: i,
+                    message_id: &envelope.message_id,
+                    key,
+                    sequence,
+                    arrival,
+                }),
+                // No key (a policy changed since it was held): it runs unordered.
+                Ok(None) => {}
+                Err(why) => refused.push((i, HandlerError::permanent(ORDER_HEADER_INVALID, why))),
+            }
+        }
+        if !refused.is_empty() {
+            return Err(TxError::Handlers(refused));
+        }
+        candidates.sort_unstable_by_key(|c| c.index);
+        let mut keys: Vec<&str> = candidates.iter().map(|c| c.key).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let states = order
+            .ledger
+            .load(tx, &self.consumer, &keys)
+            .await
+            .map_err(TxError::from_store)?;
+        let round_heads = self.round_heads(order, items, failed);
+        let first = order.policy.sequence.as_ref().map_or(1, |s| s.first);
+        let decisions = decide(&candidates, &states, &round_heads, first);
+        self.take_decisions(items, triage, &held, &candidates, decisions, tx)
+            .await
+    }
+
+    /// Per ordered key, the first message of it that failed earlier in this round.
+    fn round_heads<'a>(
+        &self,
+        order: &KeyOrder,
+        items: &'a [Parsed],
+        failed: &[usize],
+    ) -> HashMap<&'a str, (usize, &'a str)> {
+        let mut heads: HashMap<&str, (usize, &str)> = HashMap::new();
+        for &f in failed {
+            let envelope = &items[f].envelope;
+            if let Ok(Some((key, _))) = Self::order_of(order, envelope) {
+                let head = heads.entry(key).or_insert((f, &envelope.message_id));
+                if f < head.0 {
+                    *head = (f, &envelope.message_id);
+                }
+            }
+        }
+        heads
+    }
+
+    /// Carries out the ordering decisions: held and still-held messages decided, held copies
+    /// whose turn came reclaimed, the HELD rows and the keys' rows written.
+    async fn take_decisions(
+        &self,
+        items: &[Parsed],
+        triage: &mut Triage<'_>,
+        held: &[(usize, i64, chrono::DateTime<chrono::Utc>)],
+        candidates: &[Candidate<'_>],
+        decisions: Vec<(usize, Decision)>,
+        tx: &mut PgConnection,
+    ) -> Result<(), TxError> {
+        let Some(order) = &self.ordering else {
+            return Ok(());
+        };
+        let mut holds = Vec::new();
+        let mut notes = Vec::new();
+        let mut refused = Vec::new();
+        let mut off = HashSet::new();
+        let sequenced = order.policy.sequence.as_ref().map(|s| s.first);
+        for (c, (i, decision)) in candidates.iter().zip(decisions) {
+            match decision {
+                Decision::Run { head } => {
+                    if let Some(&(_, _, first)) = held.iter().find(|h| h.0 == i) {
+                        triage.reclaim.push(i);
+                        triage.first_received.push((i, first));
+                    }
+                    triage.ordered_runs.push((i, head));
+                }
+                Decision::Hold { position, behind, gap } => {
+                    let fresh = triage.run.iter().any(|&(r, _)| r == i);
+                    holds.push((i, c.key, position, fresh));
+                    if behind.is_some() || gap {
+                        notes.push((c.key, behind, gap));
+                    }
+                    off.insert(i);
+                    triage.decided.push((i, Outcome::Held));
+                }
+                Decision::StillHeld => triage.decided.push((i, Outcome::Held)),
+                Decision::Refuse { code, message } => {
+                    refused.push((i, HandlerError::permanent(code, message)));
+                }
+            }
+        }
+        if !refused.is_empty() {
+            return Err(TxError::Handlers(refused));
+        }
+        triage.run.retain(|(i, _)| !off.contains(i));
+        triage.reclaim.retain(|i| !off.contains(i));
+        triage.first_received.retain(|(i, _)| !off.contains(i));
+        let unnumbered = holds.iter().filter(|h| h.2.is_none()).count();
+        let mut positions = order
+            .ledger
+            .positions(tx, unnumbered)
+            .await
+            .map_err(TxError::from_store)?
+            .into_iter();
+        let rows: Vec<HeldRow<'_>> = holds
+            .iter()
+            .map(|&(i, key, position, fresh)| HeldRow {
+                envelope: &items[i].envelope,
+                key,
+                position: position.or_else(|| positions.next()).unwrap_or_default(),
+                fresh,
+            })
+            .collect();
+        self.store
+            .hold(tx, &self.consumer, &rows)
+            .await
+            .map_err(TxError::from_store)?;
+        let notes: Vec<KeyNote<'_>> = notes
+            .iter()
+            .map(|(key, behind, gap)| KeyNote {
+                key,
+                head: behind.as_deref(),
+                first_sequence: sequenced,
+                gap: *gap,
+            })
+            .collect();
+        order
+            .ledger
+            .note(tx, &self.consumer, &notes)
+            .await
+            .map_err(TxError::from_store)
+    }
+
+    /// After the handler ran: the keys whose head ran are unblocked, sequence numbers move on.
+    async fn advance_order(
+        &self,
+        items: &[Parsed],
+        runs: &[(usize, bool)],
+        tx: &mut PgConnection,
+    ) -> Result<(), TxError> {
+        let Some(order) = &self.ordering else {
+            return Ok(());
+        };
+        let mut advances: Vec<KeyAdvance<'_>> = Vec::new();
+        for &(i, head) in runs {
+            let envelope = &items[i].envelope;
+            let Ok(Some((key, sequence))) = Self::order_of(order, envelope) else {
+                continue;
+            };
+            if !head && sequence.is_none() {
+                continue;
+            }
+            let next = sequence.map(|s| s + 1);
+            match advances.iter_mut().find(|a| a.key == key) {
+                Some(a) => {
+                    a.next_sequence = a.next_sequence.max(next);
+                    if head {
+                        a.head_ran = Some(&envelope.message_id);
+                    }
+                }
+                None => advances.push(KeyAdvance {
+                    key,
+                    head_ran: head.then_some(envelope.message_id.as_str()),
+                    next_sequence: next,
+                }),
+            }
+        }
+        order
+            .ledger
+            .advance(tx, &self.consumer, &advances)
+            .await
+            .map_err(TxError::from_store)
+    }
+
+    /// In the failure transaction: each ordered message whose own row now records its failure
+    /// (a retry scheduled, or parked) blocks its key, unless the key is blocked already. An
+    /// unusable ordering header or a passed sequence number blocks nothing.
+    async fn block_order_keys(
+        &self,
+        items: &[Parsed],
+        failures: &[PendingFailure],
+        decided: &[(usize, Outcome)],
+        tx: &mut PgConnection,
+    ) -> Result<(), FailureTxError> {
+        let Some(order) = &self.ordering else {
+            return Ok(());
+        };
+        let sequenced = order.policy.sequence.as_ref().map(|s| s.first);
+        let mut notes: Vec<KeyNote<'_>> = Vec::new();
+        for f in failures {
+            if f.invalid || f.code == SEQUENCE_PASSED || f.code == ORDER_HEADER_INVALID {
+                continue;
+            }
+            let own_row = decided.iter().any(|(i, o)| {
+                *i == f.index
+                    && matches!(
+                        o,
+                        Outcome::RetryScheduled { .. } | Outcome::Parked { attempt: Some(_), .. }
+                    )
+            });
+            let envelope = &items[f.index].envelope;
+            if let (true, Ok(Some((key, _)))) = (own_row, Self::order_of(order, envelope))
+                && !notes.iter().any(|n| n.key == key)
+            {
+                notes.push(KeyNote {
+                    key,
+                    head: Some(&envelope.message_id),
+                    first_sequence: sequenced,
+                    gap: false,
+                });
+            }
+        }
+        let mut keys: Vec<&str> = notes.iter().map(|n| n.key).collect();
+        keys.sort_unstable();
+        order
+            .ledger
+            .lock_keys(tx, &self.consumer, &keys)
+            .await
+            .and(Ok(()))
+            .map_err(FailureTxError::store)?;
+        order
+            .ledger
+            .note(tx, &self.consumer, &notes)
+            .await
+            .map_err(FailureTxError::store)
     }
 }
 

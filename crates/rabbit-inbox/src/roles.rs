@@ -71,12 +71,13 @@ impl std::str::FromStr for RoleKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum AuditWriter {
-    /// `recover_republish`, `recover_manual_review`.
+    /// `recover_republish`, `recover_manual_review`, `sequence_gap_released`,
+    /// `sequence_gap_parked` (the last two from migration `0017`).
     Recovery,
     /// `cleanup`, `cleanup_forced`.
     Retention,
     /// `reopen`, `forced_replay`, `redrive`, `redrive_drop_processed`, `redrive_drop_redriven`,
-    /// `replay_edited`, `discard` (the last two from migration `0013`).
+    /// `replay_edited`, `discard` (migration `0013`), `skip_head` (migration `0017`).
     Operation,
     /// `payload_read`.
     Read,
@@ -96,7 +97,10 @@ impl AuditWriter {
     /// The writer that records `action`; `None` for an action no function accepts.
     pub fn for_action(action: &str) -> Option<AuditWriter> {
         Some(match action {
-            "recover_republish" | "recover_manual_review" => AuditWriter::Recovery,
+            "recover_republish"
+            | "recover_manual_review"
+            | "sequence_gap_released"
+            | "sequence_gap_parked" => AuditWriter::Recovery,
             "cleanup" | "cleanup_forced" => AuditWriter::Retention,
             "reopen"
             | "forced_replay"
@@ -104,7 +108,8 @@ impl AuditWriter {
             | "redrive_drop_processed"
             | "redrive_drop_redriven"
             | "replay_edited"
-            | "discard" => AuditWriter::Operation,
+            | "discard"
+            | "skip_head" => AuditWriter::Operation,
             "payload_read" => AuditWriter::Read,
             _ => return None,
         })
@@ -132,8 +137,9 @@ const AUDIT_ARGS: &str = "text, text, text, text, text, text, jsonb";
 
 /// The library's tables an operator reads (and an admin writes). Tables an application keeps
 /// in the same schema are not among them.
-const INBOX_TABLES: [&str; 7] = [
+const INBOX_TABLES: [&str; 8] = [
     tables::MESSAGE_INBOX,
+    tables::INBOX_ORDER_KEY,
     tables::INBOX_EVENT,
     tables::INBOX_TOMBSTONE,
     tables::INBOX_ARCHIVE,
@@ -165,6 +171,9 @@ pub fn grant_statements(schema: &SchemaName, kind: RoleKind, grantee: &str) -> V
         RoleKind::Consumer => {
             grant("SELECT, INSERT, UPDATE", tables::MESSAGE_INBOX);
             grant("SELECT", tables::INBOX_TOMBSTONE);
+            // An ordered consumer blocks, holds and releases its keys.
+            grant("SELECT, INSERT, UPDATE", tables::INBOX_ORDER_KEY);
+            grant("USAGE", "inbox_order_position_seq");
             // Handlers enqueue; a relay in the consumer's process claims and marks rows.
             grant("SELECT, INSERT, UPDATE", tables::OUTBOX);
             grant("USAGE", "outbox_seq_seq");
@@ -194,6 +203,7 @@ pub fn grant_statements(schema: &SchemaName, kind: RoleKind, grantee: &str) -> V
             grant(&format!("SELECT ({LEDGER_COLUMNS})"), MIGRATIONS_TABLE);
             grant("USAGE", "inbox_archive_archive_id_seq");
             grant("USAGE", "outbox_seq_seq");
+            grant("USAGE", "inbox_order_position_seq");
         }
     }
     for writer in AuditWriter::of(kind) {

@@ -53,6 +53,8 @@ const MIGRATION_FILES: &[(i64, &str, &str)] = &[
     migration_file!(14, "0014_replaced_by_index"),
     migration_file!(15, "0015_correlation_index"),
     migration_file!(16, "0016_scrub_event"),
+    migration_file!(17, "0017_ordering"),
+    migration_file!(18, "0018_validate_held_status"),
 ];
 
 /// The migration in file `<version>_<description>.sql` (`name` without `.sql`), read as `sqlx::migrate!` reads it: the

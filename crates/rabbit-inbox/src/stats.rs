@@ -33,6 +33,7 @@ pub struct ConsumerStats {
     duplicates: AtomicU64,
     retried: AtomicU64,
     parked: AtomicU64,
+    held: AtomicU64,
     unrecorded: AtomicU64,
     settle_failures: AtomicU64,
     settled: AtomicU64,
@@ -56,6 +57,9 @@ pub struct StatsSnapshot {
     pub retried: u64,
     /// Deliveries parked.
     pub parked: u64,
+    /// Deliveries held behind an earlier message of their ordering key (ordered consumers),
+    /// or acked as copies of held messages whose turn has not come.
+    pub held: u64,
     /// Deliveries requeued because nothing durable could be written.
     pub unrecorded: u64,
     /// Settlements the broker did not take (the delivery will come back).
@@ -89,6 +93,7 @@ impl ConsumerStats {
             duplicates: AtomicU64::default(),
             retried: AtomicU64::default(),
             parked: AtomicU64::default(),
+            held: AtomicU64::default(),
             unrecorded: AtomicU64::default(),
             settle_failures: AtomicU64::default(),
             settled: AtomicU64::default(),
@@ -150,7 +155,7 @@ impl ConsumerStats {
                 .increment(n);
         }
 
-        let mut counts = [0u64; 5];
+        let mut counts = [0u64; 6];
         for outcome in outcomes {
             counts[match outcome {
                 Outcome::Processed => 0,
@@ -158,6 +163,7 @@ impl ConsumerStats {
                 Outcome::RetryScheduled { .. } | Outcome::InFlightElsewhere => 2,
                 Outcome::Parked { .. } => 3,
                 Outcome::Unrecorded { .. } => 4,
+                Outcome::Held => 5,
             }] += 1;
         }
         let kinds = [
@@ -166,6 +172,7 @@ impl ConsumerStats {
             &self.retried,
             &self.parked,
             &self.unrecorded,
+            &self.held,
         ];
         for (counter, n) in kinds.into_iter().zip(counts) {
             if n > 0 {
@@ -255,6 +262,7 @@ impl ConsumerStats {
             duplicates: self.duplicates.load(Relaxed),
             retried: self.retried.load(Relaxed),
             parked: self.parked.load(Relaxed),
+            held: self.held.load(Relaxed),
             unrecorded: self.unrecorded.load(Relaxed),
             settle_failures: self.settle_failures.load(Relaxed),
             sessions: self.sessions.load(Relaxed),

@@ -33,6 +33,10 @@ pub enum InboxStatus {
     /// republish).
     /// Broker: a copy that still turns up is parked.
     ManualReview,
+    /// Ordered consumers only: the message waits behind an earlier message of its ordering
+    /// key that failed, is parked, or (with sequence numbers) has not arrived. Its body is in
+    /// the row. Broker: ack; the release task publishes it again when its turn comes.
+    Held,
 }
 
 impl InboxStatus {
@@ -45,6 +49,7 @@ impl InboxStatus {
         InboxStatus::PermanentFailed,
         InboxStatus::Poisoned,
         InboxStatus::ManualReview,
+        InboxStatus::Held,
     ];
 
     /// The value stored in the `status` column.
@@ -56,6 +61,7 @@ impl InboxStatus {
             InboxStatus::PermanentFailed => "PERMANENT_FAILED",
             InboxStatus::Poisoned => "POISONED",
             InboxStatus::ManualReview => "MANUAL_REVIEW",
+            InboxStatus::Held => "HELD",
         }
     }
 
@@ -79,7 +85,8 @@ const _: () = {
             | InboxStatus::RetryableFailed
             | InboxStatus::PermanentFailed
             | InboxStatus::Poisoned
-            | InboxStatus::ManualReview => {}
+            | InboxStatus::ManualReview
+            | InboxStatus::Held => {}
         }
         i += 1;
     }
@@ -101,6 +108,7 @@ impl FromStr for InboxStatus {
             "PERMANENT_FAILED" => InboxStatus::PermanentFailed,
             "POISONED" => InboxStatus::Poisoned,
             "MANUAL_REVIEW" => InboxStatus::ManualReview,
+            "HELD" => InboxStatus::Held,
             other => return Err(StoreError::Corrupt(format!("unknown status {other:?}"))),
         })
     }
@@ -146,6 +154,10 @@ pub enum Outcome {
     },
     /// Another consumer holds a fresh PROCESSING row for this key. Broker: delayed retry.
     InFlightElsewhere,
+    /// Ordered consumers: HELD recorded, with the body, behind an earlier message of its
+    /// ordering key; or a copy of a held message whose turn has not come (counted on the
+    /// row). Broker: ack.
+    Held,
     /// Nothing durable could be written (database unreachable, commit outcome unknown).
     /// Broker: requeued after a back-off, so the message comes back.
     Unrecorded {
@@ -174,6 +186,19 @@ pub const DEPLOYMENT_FAULT: &str = "db_deployment_fault";
 /// time under [`crate::envelope::EnvelopeRules::accepted_types`], or by a
 /// [`crate::router::Router`] without a route for it. Permanent.
 pub const UNKNOWN_MESSAGE_TYPE: &str = "unknown_message_type";
+
+/// Error code of a message whose business sequence number the key has already passed (a
+/// sequence gap released by policy, or a number sent twice). Parked; it does not block the key.
+pub const SEQUENCE_PASSED: &str = "sequence_passed";
+
+/// Error code of an ordered message whose ordering header cannot be used: a sequence number
+/// that is missing or not an integer, or a key header longer than 255 bytes. Parked; it does
+/// not block the key.
+pub const ORDER_HEADER_INVALID: &str = "order_header_invalid";
+
+/// Error code recorded on the held messages of a key whose sequence gap outlived its timeout
+/// (released past the gap, or parked, as the policy says).
+pub const SEQUENCE_GAP: &str = "sequence_gap";
 
 /// Error code of a handler's failure caused by a lost lease (see [`crate::LeaseError::Lost`]).
 pub const LEASE_LOST: &str = "lease_lost";

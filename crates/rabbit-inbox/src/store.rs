@@ -88,6 +88,11 @@ pub struct InboxRecord {
     pub retry_due_at: Option<DateTime<Utc>>,
     /// Copies acked as duplicates while a retry copy was pending.
     pub retry_duplicates: i32,
+    /// Ordered consumers: the ordering key of a row that failed or was held.
+    pub order_key: Option<String>,
+    /// Ordered consumers: a held row's place in its key's order (its sequence number, or
+    /// the order it was held in).
+    pub order_position: Option<i64>,
 }
 
 impl InboxRecord {
@@ -158,6 +163,17 @@ pub struct Failure<'a> {
     pub max_attempts: i32,
     /// Keep the raw body in the row.
     pub store_payload: bool,
+}
+
+/// A row to hold, see [`InboxStore::hold`].
+pub(crate) struct HeldRow<'a> {
+    pub(crate) envelope: &'a Envelope,
+    /// Its ordering key.
+    pub(crate) key: &'a str,
+    /// Its place in the key's order.
+    pub(crate) position: i64,
+    /// Claimed by this transaction: its body and headers are stored now.
+    pub(crate) fresh: bool,
 }
 
 /// How a redelivery of an existing row is noted, see [`InboxStore::note_redeliveries`].
@@ -240,6 +256,7 @@ struct Sql {
     note_confirmed_copies: SqlStr,
     mark_processed: SqlStr,
     record_failure: SqlStr,
+    hold: SqlStr,
     find_stale: SqlStr,
     cleanup: SqlStr,
     sample_open: SqlStr,
@@ -251,7 +268,7 @@ const RECORD_COLUMNS: &str = "message_id, consumer_name, message_type, message_v
      first_received_at, last_received_at, processing_started_at, processed_at, \
      first_failed_at, last_failed_at, payload_sha256, payload_conflicts, last_error_code, \
      last_error_message, parked_copy_at, parked_duplicates, retry_copy_attempt, retry_due_at, \
-     retry_duplicates";
+     retry_duplicates, order_key, order_position";
 
 impl Sql {
     fn new(schema: &SchemaName) -> Self {
@@ -267,6 +284,7 @@ impl Sql {
             note_confirmed_copies: audited(statements::note_confirmed_copies(&t)),
             mark_processed: audited(statements::mark_processed(&t)),
             record_failure: audited(statements::record_failure(&t)),
+            hold: audited(statements::hold(&t)),
             find_stale: audited(statements::find_stale(&t)),
             cleanup: audited(statements::cleanup(&t)),
             sample_open: audited(statements::sample_open(&t)),
@@ -339,11 +357,14 @@ mod statements {
         )
     }
 
-    /// A row claimed by conflict: waiting for its retry, or a PROCESSING claim the caller
-    /// found stale.
+    /// A row claimed by conflict: waiting for its retry, a PROCESSING claim the caller
+    /// found stale, or a HELD row whose turn has come.
     pub(super) fn reclaim(t: &str) -> String {
-        const RECLAIMABLE: Statuses =
-            Statuses(&[InboxStatus::RetryableFailed, InboxStatus::Processing]);
+        const RECLAIMABLE: Statuses = Statuses(&[
+            InboxStatus::RetryableFailed,
+            InboxStatus::Processing,
+            InboxStatus::Held,
+        ]);
         format!(
             "UPDATE {t} SET status = {PROCESSING}, \
                processing_attempt = processing_attempt + 1, \
@@ -446,6 +467,23 @@ mod statements {
                last_error_key_id = EXCLUDED.last_error_key_id \
              WHERE i.status NOT IN ({CLOSED_TO_FAILURES}) \
              RETURNING message_id, status, processing_attempt"
+        )
+    }
+
+    /// Rows to hold: a new row (claimed PROCESSED in this transaction, its effect not run)
+    /// gets its body and headers as a failure keeps them; an existing row (a retry behind
+    /// another head) keeps what it has.
+    pub(super) fn hold(t: &str) -> String {
+        let held = InboxStatus::Held.as_str();
+        format!(
+            "UPDATE {t} AS i SET status = '{held}', processed_at = NULL, \
+               order_key = u.key, order_position = u.pos, released_at = NULL, \
+               payload = CASE WHEN u.fresh THEN u.body ELSE i.payload END, \
+               payload_key_id = CASE WHEN u.fresh THEN u.key_id ELSE i.payload_key_id END, \
+               headers = CASE WHEN u.fresh THEN u.headers ELSE i.headers END \
+             FROM UNNEST($2::text[], $3::text[], $4::int8[], $5::bool[], $6::bytea[], \
+               $7::text[], $8::jsonb[]) AS u(id, key, pos, fresh, body, key_id, headers) \
+             WHERE i.consumer_name = $1 AND i.message_id = u.id"
         )
     }
 
@@ -685,6 +723,8 @@ fn record_from_row(row: &sqlx::postgres::PgRow) -> Result<InboxRecord, StoreErro
         retry_copy_attempt: row.try_get("retry_copy_attempt")?,
         retry_due_at: row.try_get("retry_due_at")?,
         retry_duplicates: row.try_get("retry_duplicates")?,
+        order_key: row.try_get("order_key")?,
+        order_position: row.try_get("order_position")?,
     })
 }
 
@@ -992,6 +1032,41 @@ impl InboxStore {
         sqlx::query_scalar("SELECT txid_current_if_assigned()")
             .fetch_one(conn)
             .await
+    }
+
+    /// Records `rows` HELD behind an earlier message of their ordering key, in the caller's
+    /// transaction: a row this transaction claimed (`fresh`) keeps its body and headers as a
+    /// failed message's are kept, so the release task can publish it again.
+    pub(crate) async fn hold(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        rows: &[HeldRow<'_>],
+    ) -> Result<(), StoreError> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let mut bodies = Vec::with_capacity(rows.len());
+        let mut key_ids = Vec::with_capacity(rows.len());
+        let mut headers = Vec::with_capacity(rows.len());
+        for row in rows {
+            let sealed = self.stored_body(consumer, row.envelope, Phase::Failed, row.fresh);
+            headers.push(self.stored_headers(consumer, row.envelope, Phase::Failed, &sealed));
+            bodies.push(sealed.payload);
+            key_ids.push(sealed.key_id);
+        }
+        sqlx::query(self.sql.hold.clone())
+            .bind(consumer)
+            .bind(rows.iter().map(|r| r.envelope.message_id.as_str()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.key).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.position).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.fresh).collect::<Vec<_>>())
+            .bind(bodies)
+            .bind(key_ids)
+            .bind(headers)
+            .execute(conn)
+            .await?;
+        Ok(())
     }
 
     /// Reads one row.

@@ -236,9 +236,10 @@ impl Settler {
         envelope: &Envelope,
     ) -> Settlement<'_> {
         match outcome {
-            Outcome::Processed | Outcome::Duplicate | Outcome::CopyPending { .. } => {
-                Settlement::Ack
-            }
+            Outcome::Processed
+            | Outcome::Duplicate
+            | Outcome::CopyPending { .. }
+            | Outcome::Held => Settlement::Ack,
             Outcome::Unrecorded { .. } => Settlement::Requeue,
             Outcome::RetryScheduled { attempt, .. } => {
                 let mut scheduled = FieldTable::default();

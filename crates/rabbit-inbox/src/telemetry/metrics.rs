@@ -134,7 +134,7 @@ pub const OUTBOX_FENCED: &str = "rabbit_inbox_outbox_fenced_total";
 pub const OTHER_TYPE: &str = "other";
 
 /// The `outcome` label values.
-pub const OUTCOME_LABELS: [&str; 8] = [
+pub const OUTCOME_LABELS: [&str; 9] = [
     "processed",
     "duplicate",
     "retry_scheduled",
@@ -143,6 +143,7 @@ pub const OUTCOME_LABELS: [&str; 8] = [
     "poisoned",
     "payload_conflict",
     "unrecorded",
+    "held",
 ];
 
 /// The `outcome` label of an outcome.
@@ -161,6 +162,7 @@ pub fn outcome_label(outcome: &Outcome) -> &'static str {
         } => "poisoned",
         Outcome::Parked { .. } => "permanent_failed",
         Outcome::Unrecorded { .. } => "unrecorded",
+        Outcome::Held => "held",
     }
 }
 

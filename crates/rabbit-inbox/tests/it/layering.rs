@@ -35,6 +35,7 @@ const LAYERS: &[&str] = &[
     "health",
     // The ledger and the broker, side by side.
     "store",
+    "ordering",
     "broker",
     // The outbox, then what application code implements.
     "outbox",
@@ -67,6 +68,8 @@ const FORBIDDEN: &[(&str, &str)] = &[
 
 /// The files of each folder module, bottom to top; its `mod.rs` is the facade above them.
 const FOLDERS: &[(&str, &[&str])] = &[
+    // What an ordered consumer orders by, the decision, the per-key rows.
+    ("ordering", &["policy", "gate", "ledger"]),
     (
         "broker",
         &[
