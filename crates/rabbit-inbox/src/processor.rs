@@ -27,10 +27,10 @@ use crate::{
     envelope::{Envelope, InvalidMessage, InvalidReason},
     error::StoreError,
     handler::{BatchError, BatchHandler, ErrorKind, HandlerError, InboxMessage},
-    outbox::Outbox,
     ordering::{
         Arrival, Candidate, Decision, KeyAdvance, KeyNote, OrderLedger, OrderingPolicy, decide,
     },
+    outbox::Outbox,
     retry::RetryPolicy,
     stats::ConsumerStats,
     status::{
@@ -935,20 +935,19 @@ impl<H: BatchHandler> Processor<H> {
             .await
             .map_err(|e| TxError::Outage(e.to_string()))?;
         let mut result = match mode {
-            Mode::Optimistic => {
-                self.apply(items, active, failed, &mut tx, &copy_locks)
-                    .await
-                    .map(|(decided, txid)| {
-                        (
-                            Committed {
-                                decided,
-                                failed: Vec::new(),
-                                rest: Vec::new(),
-                            },
-                            txid,
-                        )
-                    })
-            }
+            Mode::Optimistic => self
+                .apply(items, active, failed, &mut tx, &copy_locks)
+                .await
+                .map(|(decided, txid)| {
+                    (
+                        Committed {
+                            decided,
+                            failed: Vec::new(),
+                            rest: Vec::new(),
+                        },
+                        txid,
+                    )
+                }),
             Mode::Savepoints => {
                 self.apply_in_groups(items, active, failed, &mut tx, &copy_locks)
                     .await
@@ -1786,7 +1785,11 @@ impl<H: BatchHandler> Processor<H> {
             return Ok(());
         };
         let held = std::mem::take(&mut triage.held);
-        let fresh = triage.run.iter().map(|&(i, _)| i).chain(triage.reclaim.iter().copied());
+        let fresh = triage
+            .run
+            .iter()
+            .map(|&(i, _)| i)
+            .chain(triage.reclaim.iter().copied());
         let arrivals = fresh
             .map(|i| (i, Arrival::Fresh))
             .chain(held.iter().map(|&(i, at, _)| (i, Arrival::HeldCopy(at))));
@@ -1861,7 +1864,7 @@ impl<H: BatchHandler> Processor<H> {
             return Ok(());
         };
         let mut holds = Vec::new();
-        let mut notes = Vec::new();
+        let mut notes: Vec<(&str, Option<String>, bool)> = Vec::new();
         let mut refused = Vec::new();
         let mut off = HashSet::new();
         let sequenced = order.policy.sequence.as_ref().map(|s| s.first);
@@ -1874,11 +1877,21 @@ impl<H: BatchHandler> Processor<H> {
                     }
                     triage.ordered_runs.push((i, head));
                 }
-                Decision::Hold { position, behind, gap } => {
+                Decision::Hold {
+                    position,
+                    behind,
+                    gap,
+                } => {
                     let fresh = triage.run.iter().any(|&(r, _)| r == i);
                     holds.push((i, c.key, position, fresh));
-                    if behind.is_some() || gap {
-                        notes.push((c.key, behind, gap));
+                    // One note per key: one upsert cannot change a row twice.
+                    match notes.iter_mut().find(|(k, _, _)| *k == c.key) {
+                        Some((_, b, g)) => {
+                            *b = b.take().or(behind);
+                            *g |= gap;
+                        }
+                        None if behind.is_some() || gap => notes.push((c.key, behind, gap)),
+                        None => {}
                     }
                     off.insert(i);
                     triage.decided.push((i, Outcome::Held));
@@ -1995,7 +2008,11 @@ impl<H: BatchHandler> Processor<H> {
                 *i == f.index
                     && matches!(
                         o,
-                        Outcome::RetryScheduled { .. } | Outcome::Parked { attempt: Some(_), .. }
+                        Outcome::RetryScheduled { .. }
+                            | Outcome::Parked {
+                                attempt: Some(_),
+                                ..
+                            }
                     )
             });
             let envelope = &items[f.index].envelope;

@@ -1057,7 +1057,11 @@ impl InboxStore {
         }
         sqlx::query(self.sql.hold.clone())
             .bind(consumer)
-            .bind(rows.iter().map(|r| r.envelope.message_id.as_str()).collect::<Vec<_>>())
+            .bind(
+                rows.iter()
+                    .map(|r| r.envelope.message_id.as_str())
+                    .collect::<Vec<_>>(),
+            )
             .bind(rows.iter().map(|r| r.key).collect::<Vec<_>>())
             .bind(rows.iter().map(|r| r.position).collect::<Vec<_>>())
             .bind(rows.iter().map(|r| r.fresh).collect::<Vec<_>>())

@@ -555,9 +555,10 @@ impl<H: BatchHandler> TestConsumer<H> {
             (queue, delay)
         };
         match outcome {
-            Outcome::Processed | Outcome::Duplicate | Outcome::CopyPending { .. } => {
-                (BrokerAction::Ack, None)
-            }
+            Outcome::Processed
+            | Outcome::Duplicate
+            | Outcome::CopyPending { .. }
+            | Outcome::Held => (BrokerAction::Ack, None),
             Outcome::RetryScheduled { attempt, .. } => {
                 let (queue, delay) = tier(*attempt);
                 (

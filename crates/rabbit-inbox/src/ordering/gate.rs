@@ -86,7 +86,11 @@ pub(crate) fn decide(
             .filter(|(at, _)| *at < c.index)
             .map(|(_, id)| *id);
         let head = state.head.as_deref().or(round_head);
-        let behind = || round_head.filter(|_| state.head.is_none()).map(str::to_owned);
+        let behind = || {
+            round_head
+                .filter(|_| state.head.is_none())
+                .map(str::to_owned)
+        };
         let decision = match (c.arrival, c.sequence) {
             (Arrival::HeldCopy(_), _) if head.is_some_and(|h| h != c.message_id) => {
                 Decision::StillHeld
@@ -244,7 +248,11 @@ mod tests {
         );
         assert_eq!(
             d,
-            vec![(0, Decision::StillHeld), (1, RUN), (2, hold(None, None, false))]
+            vec![
+                (0, Decision::StillHeld),
+                (1, RUN),
+                (2, hold(None, None, false))
+            ]
         );
     }
 

@@ -86,8 +86,12 @@ impl OrderLedger {
                                    ELSE k.blocked_since END, \
                    next_sequence = CASE WHEN u.next IS NULL THEN k.next_sequence \
                                    ELSE greatest(k.next_sequence, u.next) END, \
-                   gap_since = CASE WHEN u.next > coalesce(k.next_sequence, u.next - 1) \
-                               THEN NULL ELSE k.gap_since END, \
+                   gap_since = CASE WHEN u.next <= coalesce(k.next_sequence, u.next - 1) \
+                               THEN k.gap_since \
+                               WHEN (SELECT min(m.order_position) FROM {t} m \
+                                     WHERE m.consumer_name = $1 AND m.order_key = u.key \
+                                       AND m.status = '{held}') > u.next \
+                               THEN now() END, \
                    gap_reported_at = CASE WHEN u.next > coalesce(k.next_sequence, u.next - 1) \
                                      THEN NULL ELSE k.gap_reported_at END, \
                    updated_at = now() \
@@ -99,7 +103,9 @@ impl OrderLedger {
             )),
             positions: audited(format!(
                 "SELECT nextval('{}') FROM generate_series(1, $1)",
-                schema.qualify("inbox_order_position_seq").replace('\'', "''")
+                schema
+                    .qualify("inbox_order_position_seq")
+                    .replace('\'', "''")
             )),
         }
     }
@@ -198,7 +204,8 @@ impl OrderLedger {
         Ok(())
     }
 
-    /// Unblocks the keys whose head ran and moves sequence numbers on.
+    /// Unblocks the keys whose head ran and moves sequence numbers on. A gap's clock restarts
+    /// when the number moves on and later ones still wait (another number is missing now).
     pub(crate) async fn advance(
         &self,
         conn: &mut PgConnection,

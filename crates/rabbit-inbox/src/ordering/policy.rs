@@ -207,7 +207,10 @@ mod tests {
     #[test]
     fn keys_come_from_the_aggregate_or_a_header() {
         let e = envelope(serde_json::json!({"x-tenant-key": "t-9", "x-n": 5}));
-        assert_eq!(OrderingPolicy::by_aggregate().key_of(&e), Ok(Some("order-1")));
+        assert_eq!(
+            OrderingPolicy::by_aggregate().key_of(&e),
+            Ok(Some("order-1"))
+        );
         let by_header = OrderingPolicy::by_header("x-tenant-key");
         assert_eq!(by_header.key_of(&e), Ok(Some("t-9")));
         assert_eq!(OrderingPolicy::by_header("x-absent").key_of(&e), Ok(None));
@@ -219,14 +222,18 @@ mod tests {
 
     #[test]
     fn sequence_numbers_are_integers_or_their_text() {
-        let policy =
-            OrderingPolicy::by_aggregate().with_sequence(SequencePolicy::header("x-seq"));
-        let seq = |v: serde_json::Value| policy.sequence_of(&envelope(serde_json::json!({"x-seq": v})));
+        let policy = OrderingPolicy::by_aggregate().with_sequence(SequencePolicy::header("x-seq"));
+        let seq =
+            |v: serde_json::Value| policy.sequence_of(&envelope(serde_json::json!({"x-seq": v})));
         assert_eq!(seq(serde_json::json!(7)), Ok(Some(7)));
         assert_eq!(seq(serde_json::json!(" 8 ")), Ok(Some(8)));
         assert!(seq(serde_json::json!("eight")).is_err());
         assert!(seq(serde_json::json!(1.5)).is_err());
-        assert!(policy.sequence_of(&envelope(serde_json::json!({}))).is_err());
+        assert!(
+            policy
+                .sequence_of(&envelope(serde_json::json!({})))
+                .is_err()
+        );
         assert_eq!(
             OrderingPolicy::by_aggregate().sequence_of(&envelope(serde_json::json!({}))),
             Ok(None)

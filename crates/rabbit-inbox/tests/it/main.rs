@@ -20,6 +20,8 @@ mod lease;
 mod ledger_ownership;
 mod malformed;
 mod metric_catalog;
+#[cfg(feature = "testing")]
+mod ordering;
 mod outbox;
 mod oversized_frames;
 mod privacy;
