@@ -417,6 +417,7 @@ mod tests {
             Outcome::Unrecorded {
                 error: String::new(),
             },
+            Outcome::Held,
         ];
         let labels: Vec<&str> = outcomes.iter().map(outcome_label).collect();
         assert_eq!(labels, OUTCOME_LABELS);
