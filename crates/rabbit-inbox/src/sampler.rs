@@ -42,6 +42,8 @@ pub struct InboxSampler {
 impl InboxSampler {
     /// Samples `consumer` of the inbox in `schema` every `interval`, judging staleness and
     /// retry waits by `retry` (the consumer's own policy). `interval` must be longer than zero.
+    /// Not knowing whether the consumer has an ordering policy, it samples the ordering gauges
+    /// too (all 0 for a consumer without one).
     pub fn new(
         pool: PgPool,
         schema: SchemaName,
