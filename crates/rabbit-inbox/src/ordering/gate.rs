@@ -82,9 +82,7 @@ pub(crate) fn decide(
             .map(|(_, id)| *id);
         let head = state.head.as_deref().or(round_head);
         let decision = match c.arrival {
-            Arrival::HeldCopy(_) if head.is_some_and(|h| h != c.message_id) => {
-                Decision::StillHeld
-            }
+            Arrival::HeldCopy(_) if head.is_some_and(|h| h != c.message_id) => Decision::StillHeld,
             Arrival::HeldCopy(position) => walk.held_copy(position, c.sequence, &state),
             Arrival::Fresh => {
                 // A head found failing in this round is recorded with the holds behind it.
