@@ -2,16 +2,19 @@
 //! runs beside its release task. A key's messages behind a failed head are held and run in
 //! their order once the head succeeds, other keys never wait; sequence numbers hold a gap
 //! until the missing number arrives; a gap past its timeout is released past (a late number
-//! is then parked) or parks the followers, whose copies a redrive moves back in order.
+//! is then parked) or parks the followers, whose copies a redrive moves back in order. A
+//! service of an ordered consumer runs the release task itself.
 
 use std::time::Duration;
 
 use inbox_ops::{
-    Actor, NoProgress, Operations, ReleaseTask,
+    Actor, NoProgress, Operations, ReleaseTask, Service,
     redrive::{ParkedClass, RedriveRequest},
     release::RELEASE_ACTOR,
 };
-use inbox_testkit::env::{Rule, Running, TestEnv, TestHandler, amqp_url, thing, wait_for};
+use inbox_testkit::env::{
+    DEADLINE, Rule, Running, TestEnv, TestHandler, amqp_url, thing, wait_for,
+};
 use rabbit_inbox::{
     ConsumerConfig, InboxStatus, Topology,
     broker::{OutgoingMessage, ParkingLot},
@@ -334,4 +337,61 @@ async fn a_gap_past_its_timeout_parks_the_followers_and_a_redrive_runs_them_in_o
     wait_status(&env, "p4", InboxStatus::Processed).await;
     running.stop().await;
     assert_eq!(applied(&env).await, ["p1", "p2", "p3", "p4"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_service_of_an_ordered_consumer_runs_its_release_task() {
+    let env = TestEnv::new().await;
+    let (config, topology) = ordered_config(&env, "ord-svc", OrderingPolicy::by_aggregate()).await;
+    let (handler, plan) = env.handler();
+    plan.for_id("v1", Rule::Retryable);
+    let service = Service::builder(amqp_url(), env.pool.clone(), config)
+        .handler(handler)
+        .without_sampler()
+        .build()
+        .expect("the test pool fits");
+    assert_eq!(
+        service.pool_shares().release,
+        1,
+        "a pass holds one connection"
+    );
+    let health = service.health();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(service.run(async move {
+        let _ = stopped.await;
+    }));
+    let ready = tokio::time::timeout(DEADLINE, health.wait_for(|s| s.ready))
+        .await
+        .expect("ready once it consumes");
+    assert!(
+        ready.tasks.iter().any(|t| t.name == "release" && t.running),
+        "{:?}",
+        ready.tasks
+    );
+
+    env.publish(&topology, &ordered("v1", "K", None)).await;
+    wait_status(&env, "v1", InboxStatus::RetryableFailed).await;
+    env.publish(&topology, &ordered("v2", "K", None)).await;
+    wait_status(&env, "v2", InboxStatus::Held).await;
+    plan.clear_id("v1");
+    wait_status(&env, "v2", InboxStatus::Processed).await;
+    let _ = stop.send(());
+    tokio::time::timeout(DEADLINE, task)
+        .await
+        .expect("stops in time")
+        .expect("no panic")
+        .expect("a clean stop");
+    assert_eq!(applied(&env).await, ["v1", "v2"]);
+
+    // Without ordering there is no release task.
+    let (handler, _plan) = env.handler();
+    let plain = Service::builder(
+        amqp_url(),
+        env.pool.clone(),
+        env.config("plain", env.topology("ord-plain")),
+    )
+    .handler(handler)
+    .build()
+    .expect("the test pool fits");
+    assert_eq!(plain.pool_shares().release, 0);
 }
