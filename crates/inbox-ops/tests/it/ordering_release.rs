@@ -3,20 +3,21 @@
 //! their order once the head succeeds, other keys never wait; sequence numbers hold a gap
 //! until the missing number arrives; a gap past its timeout is released past (a late number
 //! is then parked) or parks the followers, whose copies a redrive moves back in order. A
-//! service of an ordered consumer runs the release task itself.
+//! service of an ordered consumer runs the release task itself; a held message whose body was
+//! not kept goes to manual review and its key waits for it.
 
 use std::time::Duration;
 
 use inbox_ops::{
     Actor, NoProgress, Operations, ReleaseTask, Service,
     redrive::{ParkedClass, RedriveRequest},
-    release::RELEASE_ACTOR,
+    release::{HELD_PAYLOAD_LOST, RELEASE_ACTOR},
 };
 use inbox_testkit::env::{
     DEADLINE, Rule, Running, TestEnv, TestHandler, amqp_url, thing, wait_for,
 };
 use rabbit_inbox::{
-    ConsumerConfig, InboxStatus, Topology,
+    ConsumerConfig, InboxStatus, PayloadStorage, Topology,
     broker::{OutgoingMessage, ParkingLot},
     ordering::{GapPolicy, OrderingPolicy, SequencePolicy},
     status::{SEQUENCE_GAP, SEQUENCE_PASSED},
@@ -394,4 +395,40 @@ async fn a_service_of_an_ordered_consumer_runs_its_release_task() {
     .build()
     .expect("the test pool fits");
     assert_eq!(plain.pool_shares().release, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_message_without_a_kept_body_goes_to_manual_review_and_blocks_its_key() {
+    let env = TestEnv::new().await;
+    let (mut config, topology) =
+        ordered_config(&env, "ord-nobody", OrderingPolicy::by_aggregate()).await;
+    config.payload_storage = PayloadStorage::Never;
+    let (handler, plan) = env.handler();
+    plan.for_id("n1", Rule::Retryable);
+    let running = start(&env, &config, handler);
+
+    env.publish(&topology, &ordered("n1", "K", None)).await;
+    wait_status(&env, "n1", InboxStatus::RetryableFailed).await;
+    env.publish(&topology, &ordered("n2", "K", None)).await;
+    wait_status(&env, "n2", InboxStatus::Held).await;
+    env.publish(&topology, &ordered("n3", "K", None)).await;
+    wait_status(&env, "n3", InboxStatus::Held).await;
+    plan.clear_id("n1");
+    let row = env
+        .wait_for_record(CONSUMER, "n2", "in manual review", |r| {
+            r.status == InboxStatus::ManualReview
+        })
+        .await;
+    assert_eq!(row.last_error_code.as_deref(), Some(HELD_PAYLOAD_LOST));
+    assert_eq!(
+        head_of(&env, "K").await.as_deref(),
+        Some("n2"),
+        "K waits for n2"
+    );
+    assert_eq!(audited(&env, "recover_manual_review", "n2").await, 1);
+    // Passes later, what follows it is still held, not run out of order.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(status_of(&env, "n3").await, InboxStatus::Held);
+    running.stop().await;
+    assert_eq!(applied(&env).await, ["n1"]);
 }
