@@ -79,14 +79,23 @@ pub struct ReleaseReport {
     pub manual_review: usize,
     /// Keys left for the next pass: busy (the consumer was deciding on them) or changed.
     pub skipped: usize,
-    /// Publishes the broker did not confirm, or rows sealed with a key this task lacks.
+    /// Publishes the broker did not confirm (the rows stay as they were).
     pub failed: usize,
+    /// Held rows sealed with a key this task does not hold: tried again after the policy's
+    /// `release_timeout`.
+    pub sealed: usize,
 }
 
 impl ReleaseReport {
     /// Whether the pass changed or published anything.
     pub fn acted(&self) -> bool {
-        self.released + self.gaps_timed_out + self.parked + self.manual_review + self.failed > 0
+        self.released
+            + self.gaps_timed_out
+            + self.parked
+            + self.manual_review
+            + self.failed
+            + self.sealed
+            > 0
     }
 }
 
@@ -482,7 +491,7 @@ impl ReleaseTask {
             Err(Unrepublishable::Sealed(why)) => {
                 self.sealed(&mut tx, c, &why).await?;
                 tx.commit().await?;
-                report.failed += 1;
+                report.sealed += 1;
                 return Ok(());
             }
         };
