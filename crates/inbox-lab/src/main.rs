@@ -286,12 +286,21 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
                 &config,
                 inbox_ops::RecoveryConfig::default(),
             )?;
+            // An ordered consumer's held messages run only once this task publishes them.
+            let release = inbox_ops::ReleaseTask::for_consumer(
+                pool.clone(),
+                servers.amqp_url.clone(),
+                &config,
+            );
             let schema = config.schema.clone();
             let consumer = Consumer::new(servers.amqp_url.clone(), pool.clone(), config, handler)?;
             let stats = consumer.stats();
             let mut service = Runner::new()
                 .task("consumer", |stop| consumer.run(stop))
                 .task("recovery", |stop| recovery.run(stop));
+            if let Some(release) = release {
+                service = service.task("release", |stop| release.run(stop));
+            }
             if args.relay {
                 let relay = Relay::new(servers.amqp_url.clone(), pool, RelayConfig::new(schema))?;
                 service = service.task("outbox relay", |stop| relay.run(stop));
