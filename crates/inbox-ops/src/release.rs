@@ -38,11 +38,10 @@ use crate::{
     recover::{Unrepublishable, publish},
 };
 use rabbit_inbox::{
-    advisory_lock,
     broker::{Broker, OutgoingMessage},
     config::ConsumerConfig,
     ledger_sql::{Statuses, tables},
-    ordering::{GapPolicy, OrderingPolicy, SequencePolicy},
+    ordering::{GapPolicy, OrderingPolicy, SequencePolicy, key_lock},
     status::{InboxStatus, SEQUENCE_GAP, parking_headers},
     telemetry::metrics as m,
 };
@@ -436,12 +435,7 @@ impl ReleaseTask {
 
     /// Takes the transaction-scoped lock the consumer's batch takes on `key`, if free.
     async fn try_lock_key(&self, tx: &mut PgConnection, key: &str) -> Result<bool, OpsError> {
-        let lock = advisory_lock::key(&[
-            "rabbit-inbox order",
-            self.ops.schema.as_str(),
-            &self.consumer,
-            key,
-        ]);
+        let lock = key_lock(&self.ops.schema, &self.consumer, key);
         Ok(sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
             .bind(lock)
             .fetch_one(tx)

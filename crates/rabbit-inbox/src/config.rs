@@ -310,6 +310,21 @@ impl ConsumerConfig {
         {
             return invalid("ordering.key", "the key header's name must not be empty");
         }
+        let drops_bodies = self.payload_storage == PayloadStorage::Never
+            || self
+                .privacy
+                .storage
+                .values()
+                .any(|s| *s == PayloadStorage::Never);
+        if drops_bodies {
+            return invalid(
+                "payload_storage",
+                "an ordered consumer keeps a held message's body until it runs (stored as a \
+                 failed message's body is, sealed when encryption is on); a storage of `Never` \
+                 would leave held messages that cannot run: use FailedOnly or Always, with \
+                 encryption if bodies must not be readable at rest",
+            );
+        }
         if ordering.release_interval.is_zero() || ordering.release_timeout.is_zero() {
             return invalid(
                 "ordering.release_interval",
@@ -428,10 +443,12 @@ mod tests {
         let mut c = ConsumerConfig::new("svc", Topology::new("orders"));
         c.ordering = Some(crate::ordering::OrderingPolicy::by_header(" "));
         assert!(c.validate().is_err(), "an empty key header");
-        c.ordering = Some(crate::ordering::OrderingPolicy::by_aggregate().with_sequence(
-            crate::ordering::SequencePolicy::header("x-seq")
-                .on_gap(Duration::ZERO, crate::ordering::GapPolicy::Release),
-        ));
+        c.ordering = Some(
+            crate::ordering::OrderingPolicy::by_aggregate().with_sequence(
+                crate::ordering::SequencePolicy::header("x-seq")
+                    .on_gap(Duration::ZERO, crate::ordering::GapPolicy::Release),
+            ),
+        );
         assert!(c.validate().is_err(), "a gap that cannot wait");
         c.ordering = Some(crate::ordering::OrderingPolicy::by_aggregate());
         assert!(c.validate().is_ok());
