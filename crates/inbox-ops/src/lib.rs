@@ -22,7 +22,8 @@
 //! [`inspect`] (status, list, show, failure groups), [`history`] (one message's timeline),
 //! [`activity`] and [`alerts`] (the console's charts and alerts), [`audit`] (the trail),
 //! [`reopen`], [`redrive`], [`replay`] (edit and replay), [`recover`], [`retention`]
-//! (cleanup), [`doctor`], [`service`], and `management` (the broker's management API).
+//! (cleanup), [`ordering`] (blocked keys of ordered consumers, skipping their heads),
+//! [`doctor`], [`service`], and `management` (the broker's management API).
 
 // The vocabulary every operation speaks, bottom first.
 pub mod actor;
@@ -43,6 +44,7 @@ pub mod history;
 pub mod inspect;
 #[cfg(feature = "management")]
 pub mod management;
+pub mod ordering;
 pub mod recover;
 pub mod redrive;
 pub mod reopen;
@@ -94,6 +96,8 @@ mod tests {
             actor,
         ));
         send(&ops.doctor(&DoctorRequest::default()));
+        send(&ops.blocked_keys("c", 10));
+        send(&ops.skip_head(actor, "c", "k", None));
         send(&ops.show(&ShowQuery {
             message_id: "m".into(),
             consumer: None,
