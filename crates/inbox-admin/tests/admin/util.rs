@@ -229,6 +229,49 @@ impl Fixture {
         self.env.depths(&self.topology).await
     }
 
+    /// Blocks the ordering key `key` of [`CONSUMER`], as an ordered consumer leaves it when a
+    /// message fails: its head `<key>-head` (PERMANENT_FAILED, [`REFUSED_CODE`]) since
+    /// `minutes` ago, and two messages held behind it (`<key>-2`, `<key>-3`).
+    pub(crate) async fn block_key(&self, key: &str, minutes: u32) {
+        let s = format!("\"{}\"", self.env.schema.as_str());
+        let row = |id: String, status: &str, position: &str| {
+            format!(
+                "INSERT INTO {s}.message_inbox (message_id, consumer_name, message_type, \
+                   message_version, status, payload_sha256, order_key, order_position, \
+                   first_received_at, aggregate_id, last_error_code, last_error_message) \
+                 VALUES ('{id}', '{CONSUMER}', 'OrderAmended', 1, '{status}', \
+                   sha256('{id}'::bytea), '{key}', {position}, \
+                   now() - interval '{minutes} minutes', '{key}', {code}, {message});",
+                code = if status == "HELD" {
+                    "NULL".into()
+                } else {
+                    format!("'{REFUSED_CODE}'")
+                },
+                message = if status == "HELD" {
+                    "NULL"
+                } else {
+                    "'amendments are not supported yet'"
+                },
+            )
+        };
+        let sql = [
+            row(format!("{key}-head"), "PERMANENT_FAILED", "NULL"),
+            row(format!("{key}-2"), "HELD", "nextval('{s}.inbox_order_position_seq')"),
+            row(format!("{key}-3"), "HELD", "nextval('{s}.inbox_order_position_seq')"),
+            format!(
+                "INSERT INTO {s}.inbox_order_key (consumer_name, order_key, head_message_id, \
+                   blocked_since) \
+                 VALUES ('{CONSUMER}', '{key}', '{key}-head', now() - interval '{minutes} minutes');"
+            ),
+        ]
+        .concat()
+        .replace("{s}", &s);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&self.env.pool)
+            .await
+            .expect("a blocked key");
+    }
+
     /// `(actor, action, message_id, reason)` of every audit row, oldest first.
     pub(crate) async fn audit(&self) -> Vec<(String, String, Option<String>, String)> {
         sqlx::query_as(sqlx::AssertSqlSafe(format!(
