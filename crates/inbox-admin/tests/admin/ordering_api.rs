@@ -7,7 +7,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 
 use crate::util::{
-    ADMIN_TOKEN, CONSUMER, Fixture, PAYLOAD_TOKEN, READ_TOKEN, REFUSED_CODE, tokens,
+    ADMIN_TOKEN, AMENDMENT_CODE, CONSUMER, Fixture, PAYLOAD_TOKEN, READ_TOKEN, tokens,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -33,7 +33,7 @@ async fn blocked_keys_are_listed_and_skipped_by_an_admin() {
     assert_eq!(first["reason"], "head");
     assert_eq!(first["head_message_id"], "customer-7-head");
     assert_eq!(first["head_status"], "PERMANENT_FAILED");
-    assert_eq!(first["head_error_code"], REFUSED_CODE);
+    assert_eq!(first["head_error_code"], AMENDMENT_CODE);
     assert_eq!(first["head_error"], json!(null), "hidden from a read token");
     assert_eq!(first["held"], 2);
     assert!(
