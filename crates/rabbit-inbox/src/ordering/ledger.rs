@@ -53,6 +53,9 @@ pub(crate) struct KeyAdvance<'a> {
     pub(crate) next_sequence: Option<i64>,
 }
 
+// A key's first held row is read as `ORDER BY order_position LIMIT 1`, never `min(..)`: with
+// stale statistics the planner takes `min` through another index and reads every HELD row of
+// the consumer per key; the ordered form always walks the held rows' index.
 impl OrderLedger {
     pub(crate) fn new(schema: &SchemaName) -> Self {
         let t = schema.qualify(tables::MESSAGE_INBOX);
@@ -62,8 +65,9 @@ impl OrderLedger {
             schema: schema.clone(),
             load: audited(format!(
                 "SELECT u.key, k.head_message_id, k.next_sequence, \
-                   (SELECT min(m.order_position) FROM {t} m WHERE m.consumer_name = $1 \
-                      AND m.order_key = u.key AND m.status = '{held}') AS first_held \
+                   (SELECT m.order_position FROM {t} m WHERE m.consumer_name = $1 \
+                      AND m.order_key = u.key AND m.status = '{held}' \
+                      ORDER BY m.order_position LIMIT 1) AS first_held \
                  FROM unnest($2::text[]) AS u(key) \
                  LEFT JOIN {k} k ON k.consumer_name = $1 AND k.order_key = u.key"
             )),
@@ -96,9 +100,10 @@ impl OrderLedger {
                                    ELSE greatest(k.next_sequence, u.next) END, \
                    gap_since = CASE WHEN u.next <= coalesce(k.next_sequence, u.next - 1) \
                                THEN k.gap_since \
-                               WHEN (SELECT min(m.order_position) FROM {t} m \
+                               WHEN (SELECT m.order_position FROM {t} m \
                                      WHERE m.consumer_name = $1 AND m.order_key = u.key \
-                                       AND m.status = '{held}') > u.next \
+                                       AND m.status = '{held}' \
+                                     ORDER BY m.order_position LIMIT 1) > u.next \
                                THEN now() END, \
                    gap_reported_at = CASE WHEN u.next > coalesce(k.next_sequence, u.next - 1) \
                                      THEN NULL ELSE k.gap_reported_at END, \
