@@ -491,13 +491,8 @@ async fn run_once(
         }
     };
     let topology = fresh_topology(broker, options, mode.slug()).await?;
-    let batch: Vec<(&str, &rabbit_inbox::broker::OutgoingMessage)> = workload
-        .messages
-        .iter()
-        .map(|m| (topology.queue.as_str(), m))
-        .collect();
-    broker.publish_batch("", &batch).await?;
-    let count = workload.messages.len();
+    publish(broker, &topology.queue, workload).await?;
+    let count = workload.len();
 
     procfs::reset_peak();
     let cpu_before = procfs::CpuTicks::now();
@@ -566,6 +561,19 @@ async fn run_once(
             .filter(|_| mode.ordered())
             .map(|c| u64::try_from(c.held).unwrap_or_default()),
     })
+}
+
+/// Publishes the workload to `queue`, in chunks: a delivery with its headers lives only while
+/// it is published.
+async fn publish(broker: &Broker, queue: &str, workload: &Workload) -> Result<(), BenchError> {
+    let indexes: Vec<usize> = (0..workload.len()).collect();
+    for chunk in indexes.chunks(2000) {
+        let messages: Vec<_> = chunk.iter().map(|&i| workload.delivery(i)).collect();
+        let batch: Vec<(&str, &rabbit_inbox::broker::OutgoingMessage)> =
+            messages.iter().map(|m| (queue, m)).collect();
+        broker.publish_batch("", &batch).await?;
+    }
+    Ok(())
 }
 
 /// Runs a library mode's consumer over `count` deliveries: per message or batch, with
@@ -672,9 +680,11 @@ async fn low_load(
     procfs::reset_peak();
     let interval = Duration::from_secs_f64(1.0 / f64::from(options.low_load_rate));
     let mut ticker = tokio::time::interval(interval);
-    for m in &workload.messages {
+    for index in 0..workload.len() {
         ticker.tick().await;
-        broker.publish("", &topology.queue, m).await?;
+        broker
+            .publish("", &topology.queue, &workload.delivery(index))
+            .await?;
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     while stats.settled() < count as u64 && Instant::now() < deadline {
