@@ -61,15 +61,20 @@ impl OrderLedger {
         let t = schema.qualify(tables::MESSAGE_INBOX);
         let k = schema.qualify(tables::INBOX_ORDER_KEY);
         let held = InboxStatus::Held.as_str();
+        // A head whose row is PROCESSED blocks nothing: another copy of it committed (on
+        // another instance, while this one recorded the copy's failure as the key's head).
+        let processed = InboxStatus::Processed.as_str();
         Self {
             schema: schema.clone(),
             load: audited(format!(
-                "SELECT u.key, k.head_message_id, k.next_sequence, \
+                "SELECT u.key, CASE WHEN h.status = '{processed}' THEN NULL \
+                   ELSE k.head_message_id END AS head_message_id, k.next_sequence, \
                    (SELECT m.order_position FROM {t} m WHERE m.consumer_name = $1 \
                       AND m.order_key = u.key AND m.status = '{held}' \
                       ORDER BY m.order_position LIMIT 1) AS first_held \
                  FROM unnest($2::text[]) AS u(key) \
-                 LEFT JOIN {k} k ON k.consumer_name = $1 AND k.order_key = u.key"
+                 LEFT JOIN {k} k ON k.consumer_name = $1 AND k.order_key = u.key \
+                 LEFT JOIN {t} h ON h.consumer_name = $1 AND h.message_id = k.head_message_id"
             )),
             note: audited(format!(
                 "INSERT INTO {k} AS k (consumer_name, order_key, head_message_id, blocked_since, \
