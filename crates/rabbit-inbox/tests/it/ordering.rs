@@ -162,6 +162,17 @@ async fn a_retrying_head_holds_its_key_and_the_held_run_in_order_after_it() {
     let again = kit.deliver(second).await.expect("delivered");
     assert_eq!(again.outcome, Outcome::Duplicate);
     assert_eq!(applied(&scratch, "k").await, vec![1, 2, 3]);
+
+    // A head whose row is PROCESSED (another instance applied a copy of it while this one
+    // recorded the copy's failure) blocks nothing.
+    sqlx::query("UPDATE inbox_order_key SET head_message_id = $1 WHERE order_key = 'k'")
+        .bind(&again.inbox_key)
+        .execute(scratch.pool())
+        .await
+        .expect("head set");
+    let fourth = kit.deliver(step("k", 4)).await.expect("delivered");
+    assert_eq!(fourth.outcome, Outcome::Processed);
+    assert_eq!(applied(&scratch, "k").await, vec![1, 2, 3, 4]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
