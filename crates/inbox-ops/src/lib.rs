@@ -3,7 +3,8 @@
 //! The operator API of rabbit-inbox: what an operator (through `inboxctl` or the admin HTTP
 //! API) does when something goes wrong, on a live inbox. Each operation is written once, here;
 //! front ends only parse arguments and render results. Also the operations that run on a timer
-//! beside a consumer ([`RetentionTask`], [`RecoveryTask`]) under a [`rabbit_inbox::Runner`],
+//! beside a consumer ([`RetentionTask`], [`RecoveryTask`], [`ReleaseTask`]) under a
+//! [`rabbit_inbox::Runner`],
 //! and [`Service`], which builds a consumer with all of its background work in one place.
 //!
 //! Feature `management` (off by default) adds the broker's management HTTP API
@@ -18,10 +19,11 @@
 //!
 //! The root names the handle and its vocabulary ([`Operations`], [`Actor`], [`OpsError`],
 //! [`Progress`]) and what a service runs beside its consumer ([`Service`], [`RetentionTask`],
-//! [`RecoveryTask`]); everything else is reached through the module of its action:
+//! [`RecoveryTask`], [`ReleaseTask`]); everything else is reached through the module of its action:
 //! [`inspect`] (status, list, show, failure groups), [`history`] (one message's timeline),
 //! [`activity`] and [`alerts`] (the console's charts and alerts), [`audit`] (the trail),
-//! [`reopen`], [`redrive`], [`replay`] (edit and replay), [`recover`], [`retention`]
+//! [`reopen`], [`redrive`], [`replay`] (edit and replay), [`recover`], [`release`] (held
+//! messages of ordered consumers), [`retention`]
 //! (cleanup), [`doctor`], [`service`], and `management` (the broker's management API).
 
 // The vocabulary every operation speaks, bottom first.
@@ -45,6 +47,7 @@ pub mod inspect;
 pub mod management;
 pub mod recover;
 pub mod redrive;
+pub mod release;
 pub mod reopen;
 pub mod replay;
 pub mod retention;
@@ -55,6 +58,7 @@ pub use error::OpsError;
 pub use operations::Operations;
 pub use progress::{NoProgress, Progress};
 pub use recover::{RecoveryConfig, RecoveryTask};
+pub use release::ReleaseTask;
 pub use retention::RetentionTask;
 pub use service::{Service, ServiceBuilder};
 

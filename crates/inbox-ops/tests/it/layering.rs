@@ -24,10 +24,12 @@ const ORDER: &[&str] = &[
     "history",
     "alerts",
     "inspect",
-    // Actions: reopen is the step a redrive takes per row; replay republishes as recovery does.
+    // Actions: reopen is the step a redrive takes per row; replay republishes as recovery does,
+    // and so does the release of held messages.
     "reopen",
     "redrive",
     "recover",
+    "release",
     "replay",
     "retention",
     // The broker's management API, read by the doctor.

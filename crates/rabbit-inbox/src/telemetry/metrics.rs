@@ -3,7 +3,7 @@
 //! Metrics go through the `metrics` facade; nothing is recorded until the application installs
 //! a recorder (e.g. `metrics-exporter-prometheus`, as `inbox-lab consume --metrics-addr` does).
 //! Labels are bounded: `consumer` (configured names), `schema` (the outbox's), `outcome`, `reason`, `status`,
-//! `result` and `cause` (fixed sets below) and `message_type`, folded by `MessageTypeLabels` to the
+//! `result`, `cause` and `policy` (fixed sets below) and `message_type`, folded by `MessageTypeLabels` to the
 //! configured known types, the first [`crate::TelemetryConfig::max_message_types`] seen, and
 //! [`OTHER_TYPE`].
 
@@ -48,6 +48,12 @@ pub const STALE_LEASE_RECOVERIES: &str = "rabbit_inbox_stale_lease_recoveries_to
 /// `inboxctl cleanup`, the admin API's cleanup and `InboxStore::cleanup_processed_older_than`.
 /// Labels: `consumer`.
 pub const RETENTION_DELETED: &str = "rabbit_inbox_retention_deleted_total";
+
+/// Sequence gaps of ordered consumers that outlived their timeout, acted on by the release
+/// task of the operator crate (`inbox_ops::ReleaseTask`). Labels: `consumer`, `policy`:
+/// `keep_holding`, `park_followers` or `release` (what was done with the messages behind the
+/// gap).
+pub const SEQUENCE_GAPS: &str = "rabbit_inbox_sequence_gaps_total";
 
 /// Lost broker sessions that repeated the loss before them, a sign that one delivery stops
 /// the queue. Labels: `consumer`, `cause`: `same_error` (ended with the same error as the
@@ -216,6 +222,10 @@ fn describe_consumer_counters() {
         "Stale PROCESSING rows taken over by this consumer"
     );
     describe_counter!(RETENTION_DELETED, "PROCESSED rows deleted by retention");
+    describe_counter!(
+        SEQUENCE_GAPS,
+        "Sequence gaps of ordered consumers that outlived their timeout"
+    );
     describe_counter!(
         REPEATED_SESSION_LOSSES,
         "Lost broker sessions that repeated the previous loss's error or unsettled delivery"

@@ -702,6 +702,7 @@ fn the_catalog_names_every_metric_once() {
         m::DEPLOYMENT_FAULTS,
         m::STALE_LEASE_RECOVERIES,
         m::RETENTION_DELETED,
+        m::SEQUENCE_GAPS,
         m::REPEATED_SESSION_LOSSES,
         m::DELIVERY_TO_SETTLE,
         m::PROCESSING_AGE,
