@@ -252,14 +252,18 @@ async fn step(
 ) -> Result<(), HandlerError> {
     let m: OrderStep = msg.decode()?;
     match t.step_fault(tx, &m.order_id, m.step).await? {
-        Some(StepFault::RetryOnce) if msg.attempt() == 1 => Err(HandlerError::retryable(
-            "step_not_ready",
-            format!(
-                "order {} step {} fails its first attempt (order_step_faults: retry_once); \
-                 its retry applies it",
-                m.order_id, m.step
-            ),
-        )),
+        // Told by the delivery, not by the attempt count: whatever ran before, the copy a
+        // retry tier returns carries the broker's `x-death`.
+        Some(StepFault::RetryOnce) if msg.envelope().death_count == 0 => {
+            Err(HandlerError::retryable(
+                "step_not_ready",
+                format!(
+                    "order {} step {} fails until a retry brings it back (order_step_faults: \
+                     retry_once); its retry applies it",
+                    m.order_id, m.step
+                ),
+            ))
+        }
         Some(StepFault::Refuse) => Err(HandlerError::permanent(
             "step_refused",
             format!(

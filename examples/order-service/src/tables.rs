@@ -55,7 +55,8 @@ async fn create_tables(conn: &mut PgConnection, schema: &SchemaName) -> Result<(
         CREATE INDEX IF NOT EXISTS order_journal_aggregate
             ON "{schema}".order_journal (aggregate_id, serial);
         -- Failures an OrderStep is to meet, set up by whoever drives the service (the chaos
-        -- run): 'retry_once' fails the step's first attempt retryably; 'refuse' fails it
+        -- run): 'retry_once' fails the step retryably until a retry tier returns it;
+        -- 'refuse' fails it
         -- permanently for as long as the row exists (deleting it is the fix before a redrive).
         CREATE TABLE IF NOT EXISTS "{schema}".order_step_faults (
             order_id TEXT NOT NULL,
@@ -73,7 +74,8 @@ async fn create_tables(conn: &mut PgConnection, schema: &SchemaName) -> Result<(
 /// A failure an `OrderStep` is to meet (table `order_step_faults`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StepFault {
-    /// The step's first attempt fails retryably (`step_not_ready`); the retry applies it.
+    /// The step fails retryably (`step_not_ready`) until a retry tier returns it (its
+    /// delivery carries the broker's `x-death`): the retry applies it.
     RetryOnce,
     /// The step fails permanently (`step_refused`) for as long as the fault is set, so it is
     /// parked; clearing the fault ([`clear_step_fault`]) and redriving it applies it.

@@ -266,6 +266,19 @@ impl Service {
         .expect("read journal")
     }
 
+    /// The error codes of a message's recorded failures, oldest first.
+    async fn failures(&self, message_id: &str) -> Vec<String> {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT error_code FROM \"{}\".inbox_event WHERE message_id = $1 AND kind = 'failed' \
+             ORDER BY event_id",
+            self.schema
+        )))
+        .bind(message_id)
+        .fetch_all(&self.pool)
+        .await
+        .expect("read history")
+    }
+
     async fn verify(&self) -> order_service::Verification {
         order_service::verify(&self.pool, &self.schema)
             .await
@@ -531,6 +544,10 @@ async fn ordered_steps_apply_once_each_in_order_through_a_retry_and_a_redrive() 
     fault(4, order_service::StepFault::Refuse)
         .await
         .expect("fault set");
+    // Held before it runs: its first run is a released copy.
+    fault(5, order_service::StepFault::RetryOnce)
+        .await
+        .expect("fault set");
     let consumer = svc.start();
     let release = inbox_ops::ReleaseTask::for_consumer(svc.pool.clone(), amqp_url(), &svc.config)
         .expect("an ordered consumer has a release task");
@@ -559,11 +576,10 @@ async fn ordered_steps_apply_once_each_in_order_through_a_retry_and_a_redrive() 
         .await;
     assert_eq!(svc.journal("o1").await, [1, 2, 3]);
     assert_eq!(svc.journal("o2").await, [1, 2, 3]);
-    let retried = svc.record("o1-2").await.expect("row");
     assert_eq!(
-        (retried.status, retried.processing_attempt),
-        (InboxStatus::Processed, 2),
-        "step 2 applied on its retry"
+        svc.failures("o1-2").await,
+        ["step_not_ready"],
+        "step 2 failed once, then applied on its retry"
     );
 
     // The fix, then the redrive: step 4 applies, and the held steps after it, in order.
@@ -600,6 +616,8 @@ async fn ordered_steps_apply_once_each_in_order_through_a_retry_and_a_redrive() 
     consumer.stop().await;
 
     assert_eq!(svc.journal("o1").await, [1, 2, 3, 4, 5, 6]);
+    assert_eq!(svc.failures("o1-4").await, ["step_refused"]);
+    assert_eq!(svc.failures("o1-5").await, ["step_not_ready"]);
     assert_eq!(svc.journal("o2").await, [1, 2, 3]);
     let v = svc.verify().await;
     assert_eq!((v.processed, v.parked, v.retryable), (9, 0, 0), "{v:?}");
