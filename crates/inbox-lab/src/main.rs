@@ -370,8 +370,7 @@ async fn consume(servers: &Servers, args: ConsumeArgs) -> anyhow::Result<ExitCod
         &config,
         inbox_ops::RecoveryConfig::default(),
     )?;
-    // An ordered consumer's held messages go on only when its release task publishes
-    // them again; `None` for an unordered one.
+    // An ordered consumer's held messages run only once this task publishes them.
     let release =
         inbox_ops::ReleaseTask::for_consumer(pool.clone(), servers.amqp_url.clone(), &config);
     let schema = config.schema.clone();

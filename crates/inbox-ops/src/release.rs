@@ -38,11 +38,10 @@ use crate::{
     recover::{Unrepublishable, publish},
 };
 use rabbit_inbox::{
-    advisory_lock,
     broker::{Broker, OutgoingMessage},
     config::ConsumerConfig,
     ledger_sql::{Statuses, tables},
-    ordering::{GapPolicy, OrderingPolicy, SequencePolicy},
+    ordering::{GapPolicy, OrderingPolicy, SequencePolicy, key_lock},
     status::{InboxStatus, SEQUENCE_GAP, parking_headers},
     telemetry::metrics as m,
 };
@@ -79,14 +78,23 @@ pub struct ReleaseReport {
     pub manual_review: usize,
     /// Keys left for the next pass: busy (the consumer was deciding on them) or changed.
     pub skipped: usize,
-    /// Publishes the broker did not confirm, or rows sealed with a key this task lacks.
+    /// Publishes the broker did not confirm (the rows stay as they were).
     pub failed: usize,
+    /// Held rows sealed with a key this task does not hold: tried again after the policy's
+    /// `release_timeout`.
+    pub sealed: usize,
 }
 
 impl ReleaseReport {
     /// Whether the pass changed or published anything.
     pub fn acted(&self) -> bool {
-        self.released + self.gaps_timed_out + self.parked + self.manual_review + self.failed > 0
+        self.released
+            + self.gaps_timed_out
+            + self.parked
+            + self.manual_review
+            + self.failed
+            + self.sealed
+            > 0
     }
 }
 
@@ -427,12 +435,7 @@ impl ReleaseTask {
 
     /// Takes the transaction-scoped lock the consumer's batch takes on `key`, if free.
     async fn try_lock_key(&self, tx: &mut PgConnection, key: &str) -> Result<bool, OpsError> {
-        let lock = advisory_lock::key(&[
-            "rabbit-inbox order",
-            self.ops.schema.as_str(),
-            &self.consumer,
-            key,
-        ]);
+        let lock = key_lock(&self.ops.schema, &self.consumer, key);
         Ok(sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
             .bind(lock)
             .fetch_one(tx)
@@ -482,7 +485,7 @@ impl ReleaseTask {
             Err(Unrepublishable::Sealed(why)) => {
                 self.sealed(&mut tx, c, &why).await?;
                 tx.commit().await?;
-                report.failed += 1;
+                report.sealed += 1;
                 return Ok(());
             }
         };

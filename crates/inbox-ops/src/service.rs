@@ -5,10 +5,15 @@
 //! Service::builder(amqp_url, pool, config).handler(h)   defaults: relay, sampler (15 s),
 //!     [.relay(..) .sampler_interval(..) .retention(..)   retention (every 10 min),
 //!      .recovery(..) .shutdown_timeout(..)]             recovery (every minute),
-//!     .build()?  -- checks the settings and the pool    migrations on start, 20 s to stop
+//!     .build()?  -- checks the settings and the pool    release (ordered consumers),
+//!                                                       migrations on start, 20 s to stop
 //! service.health()  -- for the probes, before run; service.task(..) -- a probe server
-//! service.run(shutdown).await?  -- migrate, then consumer + relay + sampler + retention + recovery
+//! service.run(shutdown).await?  -- migrate, then consumer + relay + sampler + retention
+//!                                  + recovery + release
 //! ```
+//!
+//! A consumer with an ordering policy (`ConsumerConfig::ordering`) always gets its
+//! [`ReleaseTask`]: without it, the messages its keys hold would never run.
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -27,6 +32,7 @@ use rabbit_inbox::{
 
 use crate::{
     recover::{RecoveryConfig, RecoveryTask},
+    release::ReleaseTask,
     retention::RetentionTask,
 };
 
@@ -58,6 +64,8 @@ pub struct PoolShares {
     pub retention: u32,
     /// Recovery, during a run (0 without it).
     pub recovery: u32,
+    /// The release of held messages, during a pass (0 for a consumer without ordering).
+    pub release: u32,
 }
 
 impl PoolShares {
@@ -69,6 +77,7 @@ impl PoolShares {
             + self.sampler
             + self.retention
             + self.recovery
+            + self.release
     }
 
     fn describe(&self) -> String {
@@ -83,6 +92,7 @@ impl PoolShares {
             ("sampler", self.sampler),
             ("retention", self.retention),
             ("recovery", self.recovery),
+            ("release", self.release),
         ] {
             if n > 0 {
                 shares.push(format!("{name} {n}"));
@@ -250,6 +260,7 @@ impl ServiceBuilder {
             sampler: u32::from(self.sampler_interval.is_some()),
             retention: u32::from(self.retention.is_some()),
             recovery: u32::from(self.recovery.is_some()),
+            release: u32::from(self.config.ordering.is_some()),
         }
     }
 
@@ -303,6 +314,7 @@ impl ServiceBuilder {
             .recovery
             .map(|recovery| RecoveryTask::new(pool.clone(), amqp_url.clone(), &config, recovery))
             .transpose()?;
+        let release = ReleaseTask::for_consumer(pool.clone(), amqp_url.clone(), &config);
 
         let health = consumer.health.clone();
         let relay_stats = relay.as_ref().map(Relay::stats);
@@ -322,6 +334,9 @@ impl ServiceBuilder {
         if let Some(recovery) = recovery {
             runner = runner.task("recovery", |stop| recovery.run(stop));
         }
+        if let Some(release) = release {
+            runner = runner.task("release", |stop| release.run(stop));
+        }
         Ok(Service {
             pool,
             config,
@@ -337,8 +352,9 @@ impl ServiceBuilder {
     }
 }
 
-/// A consumer with its background work: the outbox relay, the gauges' sampler, retention and
-/// recovery, run under one [`Runner`] with one shutdown and one [`Health`].
+/// A consumer with its background work: the outbox relay, the gauges' sampler, retention,
+/// recovery and (for an ordered consumer) the release of held messages, run under one
+/// [`Runner`] with one shutdown and one [`Health`].
 pub struct Service {
     pool: PgPool,
     config: ConsumerConfig,

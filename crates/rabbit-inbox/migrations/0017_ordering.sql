@@ -17,11 +17,6 @@ ALTER TABLE message_inbox ADD COLUMN order_key TEXT;
 ALTER TABLE message_inbox ADD COLUMN order_position BIGINT;
 ALTER TABLE message_inbox ADD COLUMN released_at TIMESTAMPTZ;
 
--- The held messages of a key, in order: the release task reads the first, the skip and the
--- blocked-keys view count them. Only HELD rows are in it.
-CREATE INDEX idx_message_inbox_held
-    ON message_inbox (consumer_name, order_key, order_position) WHERE status = 'HELD';
-
 -- One row per ordering key that has blocked (or, with sequence numbers, per key seen). Its
 -- held messages are the HELD rows of message_inbox with its order_key.
 CREATE TABLE inbox_order_key (

@@ -11,7 +11,7 @@ use crate::{
     dedup::DedupStrategy,
     envelope::{EnvelopeRules, FieldLimits, MessageTypes},
     error::ConfigError,
-    ordering::OrderingPolicy,
+    ordering::{OrderKey, OrderingPolicy},
     privacy::{PayloadPrivacy, PayloadStorage},
     retry::RetryPolicy,
     schema::SchemaName,
@@ -191,6 +191,7 @@ impl ConsumerConfig {
         self.validate_retry()?;
         self.validate_flow()?;
         self.validate_envelope()?;
+        self.validate_ordering()?;
         if let Some(pointer) = self.privacy.invalid_pointer() {
             return invalid(
                 "privacy.redact",
@@ -299,6 +300,54 @@ impl ConsumerConfig {
         Ok(())
     }
 
+    /// The ordering policy: a key header and a sequence header to read, intervals to wait.
+    fn validate_ordering(&self) -> Result<(), ConfigError> {
+        let Some(ordering) = &self.ordering else {
+            return Ok(());
+        };
+        if let OrderKey::Header(name) = &ordering.key
+            && name.trim().is_empty()
+        {
+            return invalid("ordering.key", "the key header's name must not be empty");
+        }
+        let drops_bodies = self.payload_storage == PayloadStorage::Never
+            || self
+                .privacy
+                .storage
+                .values()
+                .any(|s| *s == PayloadStorage::Never);
+        if drops_bodies {
+            return invalid(
+                "payload_storage",
+                "an ordered consumer keeps a held message's body until it runs (stored as a \
+                 failed message's body is, sealed when encryption is on); a storage of `Never` \
+                 would leave held messages that cannot run: use FailedOnly or Always, with \
+                 encryption if bodies must not be readable at rest",
+            );
+        }
+        if ordering.release_interval.is_zero() || ordering.release_timeout.is_zero() {
+            return invalid(
+                "ordering.release_interval",
+                "the release interval and timeout must be positive",
+            );
+        }
+        if let Some(sequence) = &ordering.sequence {
+            if sequence.header.trim().is_empty() {
+                return invalid(
+                    "ordering.sequence.header",
+                    "the sequence header's name must not be empty",
+                );
+            }
+            if sequence.gap_timeout.is_zero() {
+                return invalid(
+                    "ordering.sequence.gap_timeout",
+                    "must be positive: a gap needs time for the missing message to arrive",
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// The envelope rules: body size, versions, field limits, dedup fields.
     fn validate_envelope(&self) -> Result<(), ConfigError> {
         if self.envelope.max_payload_bytes == 0 {
@@ -392,6 +441,17 @@ mod tests {
     #[test]
     fn bad_settings_are_named() {
         let mut c = ConsumerConfig::new("svc", Topology::new("orders"));
+        c.ordering = Some(crate::ordering::OrderingPolicy::by_header(" "));
+        assert!(c.validate().is_err(), "an empty key header");
+        c.ordering = Some(
+            crate::ordering::OrderingPolicy::by_aggregate().with_sequence(
+                crate::ordering::SequencePolicy::header("x-seq")
+                    .on_gap(Duration::ZERO, crate::ordering::GapPolicy::Release),
+            ),
+        );
+        assert!(c.validate().is_err(), "a gap that cannot wait");
+        c.ordering = Some(crate::ordering::OrderingPolicy::by_aggregate());
+        assert!(c.validate().is_ok());
         c.lanes = 0;
         let err = c.validate().expect_err("invalid").to_string();
         assert!(err.contains("lanes"), "{err}");

@@ -36,6 +36,7 @@ use crate::{
     handler::{BatchHandler, Handler, PerMessage},
     health::Health,
     lease::{LeaseConfig, Leased, LeasedHandler, LeasedProcessor},
+    ordering::OrderingPolicy,
     processor::{LaneConnection, Parsed, Process, Processor, Refusal},
     session_loss::{DeliverySummary, SessionLosses},
     stats::ConsumerStats,
@@ -128,6 +129,17 @@ impl<L: LeasedHandler> Consumer<Leased<L>> {
     ) -> Result<Self, ConfigError> {
         config.validate()?;
         lease.validate()?;
+        if config.ordering.is_some() {
+            // Leased rows commit PROCESSING and complete later, outside the batch transaction
+            // that decides a key's order: the two cannot be combined yet.
+            return Err(ConfigError::InvalidSetting {
+                name: "ordering",
+                reason: "ordered processing needs the transactional mode; a leased consumer \
+                         cannot keep per-key order: unset `ordering`, or use a transactional \
+                         handler"
+                    .into(),
+            });
+        }
         let processor = {
             let (pool, config) = (pool.clone(), config.clone());
             move |stats| -> Arc<dyn Process> {
@@ -326,6 +338,7 @@ impl<H> Consumer<H> {
             senders: Vec::with_capacity(self.config.lanes),
             broken: Arc::new(tokio::sync::Notify::new()),
             keys: Arc::new(KeysInFlight::default()),
+            ordering: self.config.ordering.clone(),
         };
         for _ in 0..self.config.lanes {
             // Bounded: when lanes fall behind, the dispatcher waits, and prefetch stops the
@@ -420,16 +433,27 @@ struct Lanes {
     /// end the delivery stream after a close, so the dispatcher must not wait for it.
     broken: Arc<tokio::sync::Notify>,
     keys: Arc<KeysInFlight>,
+    /// An ordered consumer's policy: its ordering key is the lane key.
+    ordering: Option<OrderingPolicy>,
 }
 
 impl Lanes {
+    /// The key that picks a delivery's lane: its ordering key when the consumer orders by
+    /// one, else the aggregate id, else the dedup key.
+    fn order_key<'p>(&self, parsed: &'p Parsed) -> &'p str {
+        self.ordering
+            .as_ref()
+            .and_then(|o| o.key_of(&parsed.envelope).ok().flatten())
+            .unwrap_or_else(|| parsed.envelope.lane_key())
+    }
+
     /// Sends a delivery, with its span (open until it is settled), to its lane; `false` when
     /// that lane is gone.
     async fn send(&self, pending: PendingDelivery, parsed: Parsed, consumer: &str) -> bool {
         let span = telemetry::trace::delivery_span(consumer, &parsed.envelope);
-        let lane = self
-            .keys
-            .route(parsed.key(), || lane_of(&parsed, self.senders.len()));
+        let lane = self.keys.route(parsed.key(), || {
+            lane_of(self.order_key(&parsed), self.senders.len())
+        });
         self.senders[lane]
             .send((pending, parsed, span))
             .await
@@ -524,10 +548,11 @@ fn refuse_uncopyable(parsed: &mut Parsed, detail: String) {
     }
 }
 
-/// Lane of a delivery: one aggregate always maps to the same lane, keeping its order.
-fn lane_of(parsed: &Parsed, lanes: usize) -> usize {
+/// Lane of a delivery by its lane key: one aggregate (or ordering key) always maps to the
+/// same lane, keeping its order.
+fn lane_of(lane_key: &str, lanes: usize) -> usize {
     let mut h = DefaultHasher::new();
-    parsed.envelope.lane_key().hash(&mut h);
+    lane_key.hash(&mut h);
     (h.finish() % lanes as u64) as usize
 }
 

@@ -1867,7 +1867,6 @@ impl<H: BatchHandler> Processor<H> {
         let mut notes: Vec<(&str, Option<String>, bool)> = Vec::new();
         let mut refused = Vec::new();
         let mut off = HashSet::new();
-        let sequenced = order.policy.sequence.as_ref().map(|s| s.first);
         for (c, (i, decision)) in candidates.iter().zip(decisions) {
             match decision {
                 Decision::Run { head } => {
@@ -1908,6 +1907,19 @@ impl<H: BatchHandler> Processor<H> {
         triage.run.retain(|(i, _)| !off.contains(i));
         triage.reclaim.retain(|i| !off.contains(i));
         triage.first_received.retain(|(i, _)| !off.contains(i));
+        self.write_holds(order, items, &holds, &notes, tx).await
+    }
+
+    /// Records the held rows (positions given in arrival order where no sequence number
+    /// gives one) and the keys' notes (a head found failing in this round, a gap).
+    async fn write_holds(
+        &self,
+        order: &KeyOrder,
+        items: &[Parsed],
+        holds: &[(usize, &str, Option<i64>, bool)],
+        notes: &[(&str, Option<String>, bool)],
+        tx: &mut PgConnection,
+    ) -> Result<(), TxError> {
         let unnumbered = holds.iter().filter(|h| h.2.is_none()).count();
         let mut positions = order
             .ledger
@@ -1928,12 +1940,13 @@ impl<H: BatchHandler> Processor<H> {
             .hold(tx, &self.consumer, &rows)
             .await
             .map_err(TxError::from_store)?;
+        let first_sequence = order.policy.sequence.as_ref().map(|s| s.first);
         let notes: Vec<KeyNote<'_>> = notes
             .iter()
             .map(|(key, behind, gap)| KeyNote {
                 key,
                 head: behind.as_deref(),
-                first_sequence: sequenced,
+                first_sequence,
                 gap: *gap,
             })
             .collect();

@@ -1,19 +1,23 @@
 //! [`InboxSampler`]: the gauges that need the database (open, stale and parked rows, oldest
-//! unprocessed age, dedup-window headroom), sampled on a timer by a task that runs beside a
-//! consumer (under a [`crate::Runner`]) or in a process that is not one (the admin server):
-//! one query per tick over the index of open rows, and the headroom every [`HEADROOM_EVERY`]
-//! ticks. Several samplers of one consumer write the same values.
+//! unprocessed age, dedup-window headroom, blocked ordering keys and held messages), sampled
+//! on a timer by a task that runs beside a consumer (under a [`crate::Runner`]) or in a
+//! process that is not one (the admin server): one query per tick over the index of open
+//! rows, one over the partial indexes of blocked keys and HELD rows for an ordered consumer,
+//! and the headroom every [`HEADROOM_EVERY`] ticks. Several samplers of one consumer write the
+//! same values.
 
 use std::{future::Future, time::Duration};
 
 use metrics::{SharedString, gauge};
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool, Row, SqlStr};
 
 use crate::{
     config::ConsumerConfig,
     error::{ConfigError, StoreError},
+    ledger_sql::{Statuses, audited, tables},
     retry::RetryPolicy,
     schema::SchemaName,
+    status::InboxStatus,
     store::{InboxStore, OpenRowsSample},
     telemetry::metrics as m,
 };
@@ -30,11 +34,16 @@ pub struct InboxSampler {
     retry: RetryPolicy,
     interval: Duration,
     replay_window: Option<Duration>,
+    /// The blocked-keys statement, when the consumer may have ordering keys: always unless the
+    /// sampler was built from a config without an ordering policy.
+    ordering: Option<SqlStr>,
 }
 
 impl InboxSampler {
     /// Samples `consumer` of the inbox in `schema` every `interval`, judging staleness and
     /// retry waits by `retry` (the consumer's own policy). `interval` must be longer than zero.
+    /// Not knowing whether the consumer has an ordering policy, it samples the ordering gauges
+    /// too (all 0 for a consumer without one).
     pub fn new(
         pool: PgPool,
         schema: SchemaName,
@@ -50,6 +59,7 @@ impl InboxSampler {
         }
         Ok(Self {
             pool,
+            ordering: Some(audited(ordering_sample_sql(&schema))),
             store: InboxStore::new(schema),
             consumer: consumer.into(),
             retry,
@@ -58,19 +68,24 @@ impl InboxSampler {
         })
     }
 
-    /// Samples the consumer `config` describes, every `interval`.
+    /// Samples the consumer `config` describes, every `interval`. The ordering gauges
+    /// (blocked keys, held messages) only if `config.ordering` is set.
     pub fn for_consumer(
         pool: PgPool,
         config: &ConsumerConfig,
         interval: Duration,
     ) -> Result<Self, ConfigError> {
-        Self::new(
+        let mut sampler = Self::new(
             pool,
             config.schema.clone(),
             config.consumer_name.clone(),
             config.retry.clone(),
             interval,
-        )
+        )?;
+        if config.ordering.is_none() {
+            sampler.ordering = None;
+        }
+        Ok(sampler)
     }
 
     /// Also samples how far the retained PROCESSED history reaches beyond `window`, the
@@ -114,6 +129,10 @@ impl InboxSampler {
             )
             .await?;
         publish(consumer, &open);
+        if let Some(sql) = &self.ordering {
+            let ordering = sample_ordering(&mut conn, sql, &self.consumer).await?;
+            publish_ordering(consumer, &ordering);
+        }
         if let (true, Some(window)) = (headroom, self.replay_window)
             && let Some(seconds) = self
                 .store
@@ -143,4 +162,66 @@ fn publish(consumer: &SharedString, open: &OpenRowsSample) {
         .set(open.parked_oldest_age.unwrap_or(0.0).max(0.0));
     gauge!(m::OLDEST_UNPROCESSED_AGE, "consumer" => consumer.clone())
         .set(open.oldest_unprocessed_age);
+}
+
+/// What the ordering statement found for one consumer.
+#[derive(Debug)]
+struct OrderingSample {
+    blocked_keys: i64,
+    blocked_oldest_age: f64,
+    held_messages: i64,
+}
+
+/// Blocked keys (a head to wait for), keys waiting for a missing sequence number (their first
+/// HELD row is past `next_sequence`, no head), the age of the oldest such block, and the HELD
+/// rows. Reads only the partial indexes of blocked keys and of HELD rows, and the key rows of
+/// keys that hold messages, never the table of every key seen. A block whose start was not
+/// recorded ages from the key row's last update.
+fn ordering_sample_sql(schema: &SchemaName) -> String {
+    const HELD: Statuses = Statuses(&[InboxStatus::Held]);
+    let inbox = schema.qualify(tables::MESSAGE_INBOX);
+    let keys = schema.qualify(tables::INBOX_ORDER_KEY);
+    format!(
+        "WITH held AS ( \
+           SELECT order_key, min(order_position) AS first_position, count(*) AS n \
+           FROM {inbox} WHERE consumer_name = $1 AND status = {HELD} GROUP BY order_key), \
+         gaps AS ( \
+           SELECT coalesce(k.gap_since, k.updated_at) AS since \
+           FROM held h JOIN {keys} k ON k.consumer_name = $1 AND k.order_key = h.order_key \
+           WHERE k.head_message_id IS NULL AND h.first_position > k.next_sequence), \
+         blocked AS ( \
+           SELECT count(*) AS n, min(coalesce(blocked_since, updated_at)) AS since \
+           FROM {keys} WHERE consumer_name = $1 AND head_message_id IS NOT NULL) \
+         SELECT blocked.n + (SELECT count(*) FROM gaps) AS blocked_keys, \
+           extract(epoch FROM now() - least(blocked.since, (SELECT min(since) FROM gaps))) \
+             ::float8 AS blocked_oldest_age, \
+           (SELECT coalesce(sum(n), 0) FROM held)::int8 AS held_messages \
+         FROM blocked"
+    )
+}
+
+async fn sample_ordering(
+    conn: &mut PgConnection,
+    sql: &SqlStr,
+    consumer: &str,
+) -> Result<OrderingSample, StoreError> {
+    let row = sqlx::query(sql.clone())
+        .persistent(false)
+        .bind(consumer)
+        .fetch_one(conn)
+        .await?;
+    Ok(OrderingSample {
+        blocked_keys: row.try_get("blocked_keys")?,
+        blocked_oldest_age: row
+            .try_get::<Option<f64>, _>("blocked_oldest_age")?
+            .unwrap_or(0.0)
+            .max(0.0),
+        held_messages: row.try_get("held_messages")?,
+    })
+}
+
+fn publish_ordering(consumer: &SharedString, ordering: &OrderingSample) {
+    gauge!(m::BLOCKED_KEYS, "consumer" => consumer.clone()).set(ordering.blocked_keys as f64);
+    gauge!(m::BLOCKED_OLDEST_AGE, "consumer" => consumer.clone()).set(ordering.blocked_oldest_age);
+    gauge!(m::HELD_MESSAGES, "consumer" => consumer.clone()).set(ordering.held_messages as f64);
 }

@@ -55,6 +55,7 @@ const MIGRATION_FILES: &[(i64, &str, &str)] = &[
     migration_file!(16, "0016_scrub_event"),
     migration_file!(17, "0017_ordering"),
     migration_file!(18, "0018_validate_held_status"),
+    migration_file!(19, "0019_held_index"),
 ];
 
 /// The migration in file `<version>_<description>.sql` (`name` without `.sql`), read as `sqlx::migrate!` reads it: the

@@ -67,11 +67,6 @@ pub(crate) fn decide(
     round_heads: &HashMap<&str, (usize, &str)>,
     first: i64,
 ) -> Vec<(usize, Decision)> {
-    struct Walk {
-        next: i64,
-        holding: bool,
-        released: bool,
-    }
     let mut walks: HashMap<&str, Walk> = HashMap::new();
     let mut decisions = Vec::with_capacity(candidates.len());
     for c in candidates {
@@ -86,71 +81,85 @@ pub(crate) fn decide(
             .filter(|(at, _)| *at < c.index)
             .map(|(_, id)| *id);
         let head = state.head.as_deref().or(round_head);
-        let behind = || {
-            round_head
-                .filter(|_| state.head.is_none())
-                .map(str::to_owned)
-        };
-        let decision = match (c.arrival, c.sequence) {
-            (Arrival::HeldCopy(_), _) if head.is_some_and(|h| h != c.message_id) => {
-                Decision::StillHeld
+        let decision = match c.arrival {
+            Arrival::HeldCopy(_) if head.is_some_and(|h| h != c.message_id) => Decision::StillHeld,
+            Arrival::HeldCopy(position) => walk.held_copy(position, c.sequence, &state),
+            Arrival::Fresh => {
+                // A head found failing in this round is recorded with the holds behind it.
+                let behind = round_head.filter(|_| state.head.is_none());
+                walk.fresh(c, head, behind)
             }
-            (Arrival::HeldCopy(position), Some(_)) => {
-                if position == walk.next {
-                    walk.next = position + 1;
-                    Decision::Run { head: false }
-                } else if position < walk.next {
-                    passed(position, walk.next)
-                } else {
-                    Decision::StillHeld
-                }
-            }
-            (Arrival::HeldCopy(position), None) => {
-                if Some(position) == state.first_held && !walk.released {
-                    walk.released = true;
-                    Decision::Run { head: false }
-                } else {
-                    Decision::StillHeld
-                }
-            }
-            (Arrival::Fresh, sequence) if head == Some(c.message_id) => {
-                if let Some(s) = sequence {
-                    walk.next = walk.next.max(s + 1);
-                }
-                Decision::Run { head: true }
-            }
-            (Arrival::Fresh, sequence) if head.is_some() => {
-                walk.holding = true;
-                Decision::Hold {
-                    position: sequence,
-                    behind: behind(),
-                    gap: false,
-                }
-            }
-            (Arrival::Fresh, Some(s)) => {
-                if s == walk.next {
-                    walk.next = s + 1;
-                    Decision::Run { head: false }
-                } else if s > walk.next {
-                    Decision::Hold {
-                        position: Some(s),
-                        behind: None,
-                        gap: true,
-                    }
-                } else {
-                    passed(s, walk.next)
-                }
-            }
-            (Arrival::Fresh, None) if walk.holding => Decision::Hold {
-                position: None,
-                behind: None,
-                gap: false,
-            },
-            (Arrival::Fresh, None) => Decision::Run { head: false },
         };
         decisions.push((c.index, decision));
     }
     decisions
+}
+
+/// A key's course through one batch: its next sequence number, whether anything of it is
+/// held, whether a held copy of it runs in this batch.
+struct Walk {
+    next: i64,
+    holding: bool,
+    released: bool,
+}
+
+impl Walk {
+    /// A copy of a HELD row, its key not blocked by another head.
+    fn held_copy(&mut self, position: i64, sequence: Option<i64>, state: &KeyState) -> Decision {
+        if sequence.is_some() {
+            return if position == self.next {
+                self.next = position + 1;
+                Decision::Run { head: false }
+            } else if position < self.next {
+                passed(position, self.next)
+            } else {
+                Decision::StillHeld
+            };
+        }
+        // In arrival order: the first held row only, one per batch.
+        if Some(position) == state.first_held && !self.released {
+            self.released = true;
+            Decision::Run { head: false }
+        } else {
+            Decision::StillHeld
+        }
+    }
+
+    /// A new message or a retry of one, under its key's `head` (if any).
+    fn fresh(&mut self, c: &Candidate<'_>, head: Option<&str>, behind: Option<&str>) -> Decision {
+        if head == Some(c.message_id) {
+            if let Some(s) = c.sequence {
+                self.next = self.next.max(s + 1);
+            }
+            return Decision::Run { head: true };
+        }
+        if head.is_some() {
+            self.holding = true;
+            return Decision::Hold {
+                position: c.sequence,
+                behind: behind.map(str::to_owned),
+                gap: false,
+            };
+        }
+        match c.sequence {
+            Some(s) if s == self.next => {
+                self.next = s + 1;
+                Decision::Run { head: false }
+            }
+            Some(s) if s > self.next => Decision::Hold {
+                position: Some(s),
+                behind: None,
+                gap: true,
+            },
+            Some(s) => passed(s, self.next),
+            None if self.holding => Decision::Hold {
+                position: None,
+                behind: None,
+                gap: false,
+            },
+            None => Decision::Run { head: false },
+        }
+    }
 }
 
 fn passed(sequence: i64, next: i64) -> Decision {

@@ -15,6 +15,13 @@ use crate::{
     status::InboxStatus,
 };
 
+/// The transaction-scoped advisory lock under which a consumer decides on ordering key `key`:
+/// whoever changes a key's ordering state (the release task, an operator's skip) takes it too.
+/// Advisory locks are per database, so the key names the schema as well as the consumer.
+pub fn key_lock(schema: &SchemaName, consumer: &str, key: &str) -> i64 {
+    advisory_lock::key(&["rabbit-inbox order", schema.as_str(), consumer, key])
+}
+
 /// The ordering statements of one schema.
 #[derive(Debug)]
 pub(crate) struct OrderLedger {
@@ -120,9 +127,7 @@ impl OrderLedger {
     ) -> Result<(), StoreError> {
         let mut locks: Vec<i64> = keys
             .iter()
-            .map(|key| {
-                advisory_lock::key(&["rabbit-inbox order", self.schema.as_str(), consumer, key])
-            })
+            .map(|key| key_lock(&self.schema, consumer, key))
             .collect();
         locks.sort_unstable();
         locks.dedup();

@@ -16,5 +16,6 @@ mod ledger;
 mod policy;
 
 pub(crate) use gate::{Arrival, Candidate, Decision, decide};
+pub use ledger::key_lock;
 pub(crate) use ledger::{KeyAdvance, KeyNote, OrderLedger};
 pub use policy::{GapPolicy, MAX_ORDER_KEY_BYTES, OrderKey, OrderingPolicy, SequencePolicy};

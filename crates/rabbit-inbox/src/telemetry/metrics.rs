@@ -101,6 +101,16 @@ pub const PARKED_OLDEST_AGE: &str = "rabbit_inbox_parked_oldest_age_seconds";
 /// (`TelemetryConfig::replay_window`); negative when a duplicate delivered that long after its
 /// original would no longer be recognised. Labels: `consumer`. (Sampled.)
 pub const DEDUP_WINDOW_HEADROOM: &str = "rabbit_inbox_dedup_window_headroom_seconds";
+/// Ordering keys of an ordered consumer that wait: blocked behind a failed or parked head
+/// message, or (with sequence numbers) holding later numbers for a missing one. Labels:
+/// `consumer`. (Sampled, for consumers with an ordering policy.)
+pub const BLOCKED_KEYS: &str = "rabbit_inbox_blocked_keys";
+/// Age of the oldest of those waits: since the key blocked, or since its gap began. 0 when no
+/// key waits. Labels: `consumer`. (Sampled, for consumers with an ordering policy.)
+pub const BLOCKED_OLDEST_AGE: &str = "rabbit_inbox_blocked_oldest_age_seconds";
+/// HELD rows: messages recorded and acked that wait for their turn in their key's order.
+/// Labels: `consumer`. (Sampled, for consumers with an ordering policy.)
+pub const HELD_MESSAGES: &str = "rabbit_inbox_held_messages";
 /// Sampler queries that failed (the gauges keep their last value). Labels: `consumer`.
 pub const SAMPLER_ERRORS: &str = "rabbit_inbox_sampler_errors_total";
 
@@ -196,6 +206,7 @@ pub fn describe() {
     describe_consumer_counters();
     describe_consumer_timings();
     describe_inbox_gauges();
+    describe_ordering_gauges();
     describe_outbox();
 }
 
@@ -292,6 +303,24 @@ fn describe_inbox_gauges() {
         "Retained PROCESSED history beyond the replay window"
     );
     describe_counter!(SAMPLER_ERRORS, "Failed sampler queries");
+}
+
+/// The gauges of ordered consumers: keys that wait and the messages held behind them.
+fn describe_ordering_gauges() {
+    use metrics::describe_gauge;
+    describe_gauge!(
+        BLOCKED_KEYS,
+        "Ordering keys blocked behind a failed head or waiting for a missing sequence number"
+    );
+    describe_gauge!(
+        BLOCKED_OLDEST_AGE,
+        Unit::Seconds,
+        "Oldest blocked key or sequence gap, since it began"
+    );
+    describe_gauge!(
+        HELD_MESSAGES,
+        "HELD rows waiting for their turn in their key's order"
+    );
 }
 
 /// The outbox relay's metrics.
@@ -427,6 +456,7 @@ mod tests {
             Outcome::Unrecorded {
                 error: String::new(),
             },
+            Outcome::Held,
         ];
         let labels: Vec<&str> = outcomes.iter().map(outcome_label).collect();
         assert_eq!(labels, OUTCOME_LABELS);

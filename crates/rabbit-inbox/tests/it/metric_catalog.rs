@@ -10,7 +10,8 @@ use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, Share
 use metrics_util::registry::{AtomicStorage, Registry};
 use rabbit_inbox::{
     InboxSampler, InboxStatus, Outbox, OutboxMessage, Relay, RelayConfig, RetryPolicy, Topology,
-    canonical_json::canonical_json, retention::RetentionPolicy, telemetry::metrics as m,
+    canonical_json::canonical_json, ordering::OrderingPolicy, retention::RetentionPolicy,
+    telemetry::metrics as m,
 };
 use serde_json::json;
 use sqlx::AssertSqlSafe;
@@ -475,6 +476,178 @@ async fn oldest_unprocessed_age_leaves_out_rows_waiting_for_their_retry() {
     );
 }
 
+/// Inserts an ordering key row of `consumer`; `sql` gives (head_message_id, blocked_since,
+/// next_sequence, gap_since).
+async fn insert_order_key(env: &TestEnv, consumer: &str, key: &str, sql: &str) {
+    let s = &env.schema;
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO \"{s}\".inbox_order_key (consumer_name, order_key, head_message_id, \
+           blocked_since, next_sequence, gap_since) \
+         SELECT $1, $2, head, blocked, next, gap \
+         FROM (SELECT {sql}) AS v(head, blocked, next, gap)"
+    )))
+    .bind(consumer)
+    .bind(key)
+    .execute(&env.pool)
+    .await
+    .expect("order key inserted");
+}
+
+/// Inserts a HELD row of `consumer` at `position` in `key`'s order.
+async fn insert_held(env: &TestEnv, consumer: &str, key: &str, position: i64) {
+    let s = &env.schema;
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO \"{s}\".message_inbox (message_id, consumer_name, message_type, \
+           message_version, status, processing_attempt, payload_sha256, order_key, \
+           order_position) \
+         VALUES ($1, $2, 'Thing', 1, 'HELD', 0, '\\x00', $3, $4)"
+    )))
+    .bind(format!("{key}-{position}"))
+    .bind(consumer)
+    .bind(key)
+    .bind(position)
+    .execute(&env.pool)
+    .await
+    .expect("HELD row inserted");
+}
+
+/// Runs `sampler` until `ready` holds, then stops it.
+async fn sample_until(sampler: InboxSampler, what: &str, ready: impl Fn() -> bool) {
+    let task = tokio::spawn(sampler.run(std::future::pending()));
+    wait_for(what, async || ready()).await;
+    task.abort();
+}
+
+#[tokio::test]
+async fn ordered_consumers_sample_blocked_keys_gaps_and_held_messages() {
+    recorder();
+    let env = TestEnv::new().await;
+    let consumer = format!("ordered-{}", env.id);
+    let c = consumer.as_str();
+    let by_consumer = [("consumer", c)];
+    let none = "NULL::text, NULL::timestamptz";
+    // Blocked behind its head for 20 minutes, two messages held behind it.
+    insert_order_key(
+        &env,
+        c,
+        "a",
+        "'a-1', now() - interval '20 minutes', NULL::int8, NULL::timestamptz",
+    )
+    .await;
+    insert_held(&env, c, "a", 2).await;
+    insert_held(&env, c, "a", 3).await;
+    // Blocked for 5 minutes, nothing held yet.
+    insert_order_key(
+        &env,
+        c,
+        "b",
+        "'b-1', now() - interval '5 minutes', NULL::int8, NULL::timestamptz",
+    )
+    .await;
+    // Waits for number 4 while 6 and 7 are held: a gap for 45 minutes, the oldest wait.
+    insert_order_key(
+        &env,
+        c,
+        "g",
+        &format!("{none}, 4, now() - interval '45 minutes'"),
+    )
+    .await;
+    insert_held(&env, c, "g", 6).await;
+    insert_held(&env, c, "g", 7).await;
+    // Its first held number is the one it waits for: released, not blocked (the stale
+    // gap_since does not count).
+    insert_order_key(
+        &env,
+        c,
+        "turn",
+        &format!("{none}, 3, now() - interval '3 hours'"),
+    )
+    .await;
+    insert_held(&env, c, "turn", 3).await;
+    // Held in arrival order behind nothing: waiting for the release task, not blocked.
+    insert_held(&env, c, "arrival", 100).await;
+    // A key seen before, nothing held.
+    insert_order_key(&env, c, "idle", &format!("{none}, 10, NULL::timestamptz")).await;
+    // Another consumer's blocked key and held message.
+    let other = format!("other-{}", env.id);
+    insert_order_key(
+        &env,
+        &other,
+        "a",
+        "'x', now() - interval '2 days', NULL::int8, NULL::timestamptz",
+    )
+    .await;
+    insert_held(&env, &other, "a", 1).await;
+
+    // Built from a config without an ordering policy, the sampler leaves the ordering
+    // gauges alone.
+    let interval = Duration::from_millis(100);
+    let mut config = env.config(c, Topology::new("unused"));
+    let unordered =
+        InboxSampler::for_consumer(env.pool.clone(), &config, interval).expect("sampler");
+    sample_until(unordered, "open rows sampled", || {
+        gauge(m::PARKED_ROWS, &by_consumer).is_some()
+    })
+    .await;
+    for name in [m::BLOCKED_KEYS, m::BLOCKED_OLDEST_AGE, m::HELD_MESSAGES] {
+        assert_eq!(
+            gauge(name, &by_consumer),
+            None,
+            "{name} sampled without a policy"
+        );
+    }
+
+    config.ordering = Some(OrderingPolicy::by_aggregate());
+    let ordered =
+        || InboxSampler::for_consumer(env.pool.clone(), &config, interval).expect("sampler");
+    sample_until(ordered(), "ordering gauges sampled", || {
+        gauge(m::HELD_MESSAGES, &by_consumer).is_some()
+    })
+    .await;
+    assert_eq!(
+        gauge(m::BLOCKED_KEYS, &by_consumer),
+        Some(3.0),
+        "a, b and the gap of g"
+    );
+    assert_eq!(gauge(m::HELD_MESSAGES, &by_consumer), Some(6.0));
+    let age = gauge(m::BLOCKED_OLDEST_AGE, &by_consumer).expect("age sampled");
+    assert!(
+        (2690.0..2800.0).contains(&age),
+        "the gap of g, 45 minutes: {age}"
+    );
+
+    // The heads are resolved and the gap filled: nothing waits, the age drops to 0.
+    let s = &env.schema;
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE \"{s}\".inbox_order_key SET head_message_id = NULL, blocked_since = NULL, \
+           next_sequence = CASE WHEN order_key = 'g' THEN 6 END \
+         WHERE consumer_name = $1"
+    )))
+    .bind(c)
+    .execute(&env.pool)
+    .await
+    .expect("keys unblocked");
+    // A sampler that does not know the config samples the ordering gauges too.
+    let unknown = InboxSampler::new(
+        env.pool.clone(),
+        env.schema.clone(),
+        c,
+        RetryPolicy::default(),
+        interval,
+    )
+    .expect("sampler");
+    sample_until(unknown, "no key waits", || {
+        gauge(m::BLOCKED_KEYS, &by_consumer) == Some(0.0)
+    })
+    .await;
+    assert_eq!(gauge(m::BLOCKED_OLDEST_AGE, &by_consumer), Some(0.0));
+    assert_eq!(
+        gauge(m::HELD_MESSAGES, &by_consumer),
+        Some(6.0),
+        "held until released"
+    );
+}
+
 #[tokio::test]
 async fn retention_counts_the_rows_it_deletes() {
     recorder();
@@ -716,6 +889,9 @@ fn the_catalog_names_every_metric_once() {
         m::PARKED_ROWS,
         m::PARKED_OLDEST_AGE,
         m::DEDUP_WINDOW_HEADROOM,
+        m::BLOCKED_KEYS,
+        m::BLOCKED_OLDEST_AGE,
+        m::HELD_MESSAGES,
         m::SAMPLER_ERRORS,
         m::LEASES_LOST,
         m::OUTBOX_PENDING,
