@@ -64,11 +64,6 @@ pub(super) async fn run(
     config.ordering = Some(order_service::ordering());
     let seed = args.seed.unwrap_or_else(rand::random);
     let mut rng = StdRng::seed_from_u64(seed ^ 0xc4a0_5eed);
-
-    let (pool, broker) = clean_slate(servers, &config).await?;
-    let steps = usize::try_from(args.steps).context("--steps")?;
-    let stream = OrderedStream::generate(args.messages.div_ceil(steps).max(1), args.steps, seed);
-    set_faults(&pool, &schema, &stream).await?;
     let plan = schedule(
         &[
             (args.kills, Fault::KillConsumer),
@@ -86,18 +81,7 @@ pub(super) async fn run(
         "replay with: inbox-lab chaos --ordered --messages {} --steps {} --seed {seed}",
         args.messages, args.steps
     );
-    publish_all(&broker, &exchange, &stream.messages).await?;
-    broker.close().await;
-    println!(
-        "published {} messages: {} orders of {} steps in x-sequence order, {} exact duplicates; \
-         {} steps fail until retried, {} are refused until redriven",
-        stream.messages.len(),
-        stream.orders.len(),
-        stream.steps,
-        stream.duplicates,
-        stream.retried.len(),
-        stream.refused.len()
-    );
+    let (pool, stream) = publish_stream(servers, &config, &args, seed).await?;
     let log_dir = std::env::temp_dir().join(format!("inbox-chaos-ordered-{seed:016x}"));
     std::fs::create_dir_all(&log_dir).with_context(|| format!("creating {}", log_dir.display()))?;
     println!("consumer logs in {}", log_dir.display());
@@ -145,6 +129,33 @@ pub(super) async fn run(
         );
         Ok(ExitCode::FAILURE)
     }
+}
+
+/// A clean slate for the run, and its stream generated, its faults set up and published.
+async fn publish_stream(
+    servers: &Servers,
+    config: &ConsumerConfig,
+    args: &ChaosArgs,
+    seed: u64,
+) -> anyhow::Result<(sqlx::PgPool, OrderedStream)> {
+    let (pool, broker) = clean_slate(servers, config).await?;
+    let steps = usize::try_from(args.steps).context("--steps")?;
+    let stream = OrderedStream::generate(args.messages.div_ceil(steps).max(1), args.steps, seed);
+    set_faults(&pool, &config.schema, &stream).await?;
+    let exchange = config.topology.exchange.as_deref().unwrap_or_default();
+    publish_all(&broker, exchange, &stream.messages).await?;
+    broker.close().await;
+    println!(
+        "published {} messages: {} orders of {} steps in x-sequence order, {} exact duplicates; \
+         {} steps fail until retried, {} are refused until redriven",
+        stream.messages.len(),
+        stream.orders.len(),
+        stream.steps,
+        stream.duplicates,
+        stream.retried.len(),
+        stream.refused.len()
+    );
+    Ok((pool, stream))
 }
 
 /// Sets up the failures the stream's steps are to meet, before anything is published.
@@ -759,7 +770,7 @@ impl Verdict {
         operator: &Operator<'_>,
         args: &ChaosArgs,
     ) {
-        let (t, j, f) = (&self.tally, &self.journal, &w.figures);
+        let f = &w.figures;
         println!();
         let line = |name: &str, value: String| println!("  {name:<46} {value:>10}");
         line("keys (orders)", stream.orders.len().to_string());
@@ -779,6 +790,24 @@ impl Verdict {
             f.connection_drops.to_string(),
         );
         line("PostgreSQL restarts", f.postgres_restarts.to_string());
+        self.ordering_figures(stream, w, operator);
+        line(
+            "throughput until settled (msgs/s)",
+            format!(
+                "{:.0}",
+                stream.messages.len() as f64 / w.elapsed.as_secs_f64().max(1e-9)
+            ),
+        );
+        line(
+            "time until settled (s)",
+            format!("{:.1}", w.elapsed.as_secs_f64()),
+        );
+    }
+
+    /// What ordering did: holds, retried and redriven heads, and the journal.
+    fn ordering_figures(&self, stream: &OrderedStream, w: &Watched, operator: &Operator<'_>) {
+        let (t, j) = (&self.tally, &self.journal);
+        let line = |name: &str, value: String| println!("  {name:<46} {value:>10}");
         line("held at most at once (sampled)", w.peak_held.to_string());
         line(
             "held rows released by the release task",
@@ -823,17 +852,6 @@ impl Verdict {
         line(
             "HELD rows / blocked keys left",
             format!("{} / {}", t.held, t.blocked_keys),
-        );
-        line(
-            "throughput until settled (msgs/s)",
-            format!(
-                "{:.0}",
-                stream.messages.len() as f64 / w.elapsed.as_secs_f64().max(1e-9)
-            ),
-        );
-        line(
-            "time until settled (s)",
-            format!("{:.1}", w.elapsed.as_secs_f64()),
         );
     }
 }
