@@ -27,13 +27,18 @@ use crate::{
 
 mod ordered;
 
+/// How the consumer's log (its stderr) begins the line that says it has started up.
+const STARTED_UP: &str = "consuming ";
+
 /// The consumer process the run starts, kills and restarts: `program` with `args`, to which
 /// the run appends `--schema`, `--queue`, `--exchange` and `--events-exchange` (and
-/// `--batch-size` when given, `--quorum` on a cluster, `--ordered` in the ordered run), with `DATABASE_URL` and `AMQP_URL`
-/// (on a cluster, every node's URL, comma-separated) in its environment. It must
-/// consume until SIGTERM, then drain and exit 0, and exit with 2 when a server is unreachable
-/// at start-up. It emits `OrderPaid` to the events exchange through its outbox and relays the
-/// outbox itself (`inbox-lab consume --relay`), so a kill also kills a relay mid-flight.
+/// `--batch-size` when given, `--quorum` on a cluster, `--ordered` in the ordered run), with
+/// `DATABASE_URL` and `AMQP_URL` (on a cluster, every node's URL, comma-separated) in its
+/// environment. It must consume until SIGTERM, then drain and exit 0, exit with 2 when a
+/// server is unreachable at start-up, and write a line beginning with `consuming ` to stderr
+/// once it has started up. It emits `OrderPaid` to the events exchange through its outbox and
+/// relays the outbox itself (`inbox-lab consume --relay`), so a kill also kills a relay
+/// mid-flight.
 #[derive(Clone, Debug)]
 pub struct ConsumerCommand {
     /// The executable.
@@ -248,6 +253,10 @@ impl Fleet<'_> {
                     .get(i)
                     .is_some_and(|t| t.elapsed() < Duration::from_secs(10));
                 let log = self.instances[i].log.display().to_string();
+                // Told by its log, not only by the time: the run may notice the exit long
+                // after it happened (a fault's command holds the run up).
+                let started_up = std::fs::read_to_string(&self.instances[i].log)
+                    .is_ok_and(|text| text.lines().any(|l| l.starts_with(STARTED_UP)));
                 // A consumer that cannot reach a server at start-up exits with 2 (the CLI's
                 // error exit); before any fault, with both servers up, no start may fail;
                 // anything else is a crash.
@@ -255,7 +264,7 @@ impl Fleet<'_> {
                     figures
                         .launch_failures
                         .push(format!("{status} (log {log})"));
-                } else if status.code() == Some(2) && early {
+                } else if status.code() == Some(2) && (early || !started_up) {
                     figures.startup_failures += 1;
                 } else {
                     figures.crashes.push(format!("{status} (log {log})"));
