@@ -119,14 +119,19 @@ pub struct ChaosArgs {
         ]
     )]
     hostile: Vec<Hostile>,
-    /// The ordered run instead (see [`ordered`]): the consumers order each order's messages
-    /// by `x-sequence` (`consume --ordered`), the stream is each order's `OrderStep`s 1..n
-    /// (`--hostile` does not apply), some fail once or are refused and redriven during the
-    /// run, and the order service's journal must show every step applied once, in order.
+    /// The ordered run instead: the consumers order each order's messages by `x-sequence`
+    /// (`consume --ordered`), the stream is each order's `OrderStep`s 1..n (`--hostile` does
+    /// not apply), some fail until retried, some are refused, then redriven during the run,
+    /// and the order service's journal must show every step applied once, in order.
     #[arg(long, conflicts_with = "cluster")]
     ordered: bool,
     /// Steps per order of the ordered run.
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(i64).range(1..=1000))]
+    #[arg(
+        long,
+        default_value_t = 10,
+        requires = "ordered",
+        value_parser = clap::value_parser!(i64).range(1..=1000)
+    )]
     steps: i64,
     #[command(flatten)]
     cluster: ClusterArgs,

@@ -71,7 +71,8 @@ enum Command {
     /// The reliability run: several consumer processes on one queue while consumers are
     /// SIGKILLed and restarted, broker connections are force-closed and PostgreSQL restarts;
     /// then zero lost and zero double-applied are checked from the database and the broker.
-    /// Exit code 1 on a violation.
+    /// `--ordered`: the consumers keep each order's messages in sequence, and the run checks
+    /// that every order's steps applied once each, in order. Exit code 1 on a violation.
     Chaos(chaos::ChaosArgs),
     /// The example service at a steady rate for a set time: resident memory and latency
     /// percentiles per interval; exit code 1 if memory keeps growing or effects are not

@@ -551,23 +551,29 @@ impl Journal {
         };
         for order in &stream.orders {
             let numbers = applied.remove(order).unwrap_or_default();
-            if !numbers.windows(2).all(|w| w[0] < w[1]) {
-                j.out_of_order.push(format!("{order}: {numbers:?}"));
-            }
-            let distinct: HashSet<i64> = numbers.iter().copied().collect();
-            j.applied_twice += numbers.len() - distinct.len();
-            j.unknown += distinct
-                .iter()
-                .filter(|n| !(1..=stream.steps).contains(*n))
-                .count();
-            j.missing.extend(
-                (1..=stream.steps)
-                    .filter(|n| !distinct.contains(n))
-                    .map(|n| format!("{order} step {n}")),
-            );
+            j.judge(order, &numbers, stream.steps);
         }
         j.unknown += applied.values().map(Vec::len).sum::<usize>();
         Ok(j)
+    }
+
+    /// Judges one order of `steps` steps by the numbers journaled for it, in commit order:
+    /// they must be 1..=`steps`, each once, increasing.
+    fn judge(&mut self, order: &str, numbers: &[i64], steps: i64) {
+        if !numbers.windows(2).all(|w| w[0] < w[1]) {
+            self.out_of_order.push(format!("{order}: {numbers:?}"));
+        }
+        let distinct: HashSet<i64> = numbers.iter().copied().collect();
+        self.applied_twice += numbers.len() - distinct.len();
+        self.unknown += distinct
+            .iter()
+            .filter(|n| !(1..=steps).contains(*n))
+            .count();
+        self.missing.extend(
+            (1..=steps)
+                .filter(|n| !distinct.contains(n))
+                .map(|n| format!("{order} step {n}")),
+        );
     }
 }
 
@@ -895,4 +901,42 @@ async fn redriven(pool: &sqlx::PgPool, schema: &SchemaName) -> anyhow::Result<Ha
     .await
     .context("reading the audit trail")?;
     Ok(ids.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn judged(numbers: &[i64]) -> Journal {
+        let mut j = Journal::default();
+        j.judge("o", numbers, 4);
+        j
+    }
+
+    #[test]
+    fn the_journal_wants_every_step_once_in_order() {
+        let ok = judged(&[1, 2, 3, 4]);
+        assert!(ok.out_of_order.is_empty() && ok.missing.is_empty());
+        assert_eq!((ok.applied_twice, ok.unknown), (0, 0));
+
+        let swapped = judged(&[1, 3, 2, 4]);
+        assert_eq!(swapped.out_of_order, ["o: [1, 3, 2, 4]"]);
+        assert!(swapped.missing.is_empty());
+
+        // A step applied again after the next one: out of order and twice.
+        let again = judged(&[1, 2, 3, 2, 4]);
+        assert_eq!(again.out_of_order.len(), 1);
+        assert_eq!(again.applied_twice, 1);
+
+        let gap = judged(&[1, 2, 4]);
+        assert!(gap.out_of_order.is_empty());
+        assert_eq!(gap.missing, ["o step 3"]);
+
+        let stranger = judged(&[1, 2, 3, 4, 9]);
+        assert_eq!(stranger.unknown, 1);
+        assert!(stranger.out_of_order.is_empty());
+
+        let none = judged(&[]);
+        assert_eq!(none.missing.len(), 4);
+    }
 }
