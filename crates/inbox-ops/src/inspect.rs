@@ -33,12 +33,13 @@ use rabbit_inbox::{
 };
 
 /// Statuses of rows that are not done: the ones `list` shows unless told otherwise.
-pub const OPEN_STATUSES: [InboxStatus; 5] = [
+pub const OPEN_STATUSES: [InboxStatus; 6] = [
     InboxStatus::Processing,
     InboxStatus::RetryableFailed,
     InboxStatus::PermanentFailed,
     InboxStatus::Poisoned,
     InboxStatus::ManualReview,
+    InboxStatus::Held,
 ];
 
 /// The window of the "last hour" counters of [`StatusReport`].
@@ -377,6 +378,9 @@ impl BrokerLocation {
             ),
             // Unacked on a consumer, or back in the work queue if that consumer went away.
             InboxStatus::Processing => ("in_flight", topology.map(|(t, _)| t.queue.clone())),
+            // Acked and kept in the ledger with its body until its key's turn; the release
+            // task publishes it to the work queue then.
+            InboxStatus::Held => ("held_in_ledger", None),
             _ => ("unknown", None),
         };
         Self { place, queue }
