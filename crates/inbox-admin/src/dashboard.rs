@@ -21,9 +21,10 @@ use crate::error::ApiError;
 const INDEX: &str = include_str!("../assets/index.html");
 /// The script's modules by file name, served under `/assets/js/`: the page loads `main.js`,
 /// which imports the others.
-const MODULES: [(&str, &str); 14] = [
+const MODULES: [(&str, &str); 15] = [
     ("main.js", include_str!("../assets/js/main.js")),
     ("api.js", include_str!("../assets/js/api.js")),
+    ("blocked.js", include_str!("../assets/js/blocked.js")),
     ("bulk.js", include_str!("../assets/js/bulk.js")),
     ("charts.js", include_str!("../assets/js/charts.js")),
     ("dom.js", include_str!("../assets/js/dom.js")),

@@ -38,6 +38,7 @@ mod host;
 mod jobs;
 mod listen;
 mod missing_inbox;
+mod ordering;
 mod prometheus;
 mod readiness;
 mod redrive_body;

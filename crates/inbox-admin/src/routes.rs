@@ -20,7 +20,7 @@ use crate::{
     error::{self, ApiError},
     guard, health, host,
     listen::ServeOptions,
-    missing_inbox,
+    missing_inbox, ordering,
     server::Server,
 };
 
@@ -68,6 +68,7 @@ fn api_routes(state: &Arc<Server>) -> OpenApiRouter<Arc<Server>> {
         .routes(routes!(console::alerts))
         .routes(routes!(console::timeline))
         .routes(routes!(console::audit))
+        .routes(routes!(ordering::blocked_keys))
         .route_layer(middleware::from_fn_with_state(state.clone(), guard::read));
     let admin = OpenApiRouter::new()
         .routes(routes!(api::recover))
@@ -78,6 +79,7 @@ fn api_routes(state: &Arc<Server>) -> OpenApiRouter<Arc<Server>> {
         .routes(routes!(console::start_job))
         .routes(routes!(console::job))
         .routes(routes!(console::replay_edited))
+        .routes(routes!(ordering::skip_head))
         .route_layer(middleware::from_fn_with_state(state.clone(), guard::admin));
     open.merge(read).merge(admin)
 }

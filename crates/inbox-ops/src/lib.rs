@@ -23,8 +23,9 @@
 //! [`inspect`] (status, list, show, failure groups), [`history`] (one message's timeline),
 //! [`activity`] and [`alerts`] (the console's charts and alerts), [`audit`] (the trail),
 //! [`reopen`], [`redrive`], [`replay`] (edit and replay), [`recover`], [`release`] (held
-//! messages of ordered consumers), [`retention`]
-//! (cleanup), [`doctor`], [`service`], and `management` (the broker's management API).
+//! messages of ordered consumers), [`retention`] (cleanup), [`ordering`] (blocked keys of
+//! ordered consumers, skipping their heads), [`doctor`], [`service`], and `management` (the
+//! broker's management API).
 
 // The vocabulary every operation speaks, bottom first.
 pub mod actor;
@@ -45,6 +46,7 @@ pub mod history;
 pub mod inspect;
 #[cfg(feature = "management")]
 pub mod management;
+pub mod ordering;
 pub mod recover;
 pub mod redrive;
 pub mod release;
@@ -98,6 +100,8 @@ mod tests {
             actor,
         ));
         send(&ops.doctor(&DoctorRequest::default()));
+        send(&ops.blocked_keys("c", 10));
+        send(&ops.skip_head(actor, "c", "k", None));
         send(&ops.show(&ShowQuery {
             message_id: "m".into(),
             consumer: None,

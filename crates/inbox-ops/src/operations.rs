@@ -14,6 +14,8 @@ pub struct Operations {
     pub(crate) pool: PgPool,
     pub(crate) schema: SchemaName,
     pub(crate) keyring: Option<Arc<Keyring>>,
+    /// The header ordered consumers carry their sequence numbers in, if known.
+    pub(crate) sequence_header: Option<String>,
     #[cfg(feature = "fault-injection")]
     pub(crate) redrive_faults: Arc<crate::fault::RedriveFaults>,
 }
@@ -25,6 +27,7 @@ impl Operations {
             pool,
             schema,
             keyring: None,
+            sequence_header: None,
             #[cfg(feature = "fault-injection")]
             redrive_faults: Arc::default(),
         }

@@ -102,6 +102,13 @@ pub(super) async fn reopen_row(
         | InboxStatus::PermanentFailed
         | InboxStatus::Poisoned
         | InboxStatus::ManualReview => REOPEN,
+        InboxStatus::Held => {
+            return Err(OpsError::Refused(format!(
+                "{message_id} is HELD behind an earlier message of its ordering key and runs \
+                 when its turn comes; see `inboxctl ordering blocked` for what the key waits \
+                 for, and resolve or skip that head instead"
+            )));
+        }
         other => {
             return Err(OpsError::Refused(format!(
                 "{message_id} has status {other}, which this version cannot reopen"

@@ -7,6 +7,7 @@ mod doctor;
 mod failures;
 mod grants;
 mod list;
+mod ordering;
 mod outbox;
 mod recover;
 mod redrive;
@@ -28,7 +29,8 @@ const EXIT_NO_INBOX: u8 = 4;
 use rabbit_inbox::SchemaName;
 
 /// The operator's tool for rabbit-inbox (exactly-once RabbitMQ consumers on a PostgreSQL
-/// inbox): migrate, inspect, redrive, reopen, recover, clean up, check, relay and serve.
+/// inbox): migrate, inspect, redrive, reopen, recover, clean up, unblock ordered keys, check,
+/// relay and serve.
 #[derive(Parser)]
 #[command(
     version,
@@ -171,6 +173,13 @@ enum Command {
     #[command(after_help = "Example:\n  \
         inboxctl grants --schema billing --role consumer --grantee billing_app | psql")]
     Grants(grants::GrantsArgs),
+    /// Ordered consumers: list the keys whose held messages wait (behind a failed or parked
+    /// head, or for a missing sequence number), and skip what a key waits for (audited).
+    #[command(after_help = "Examples:\n  \
+        inboxctl ordering blocked --schema billing --consumer invoicer\n  \
+        inboxctl ordering skip --schema billing --consumer invoicer --key order-42 --head inv-7 \\\n    \
+        --actor alice --reason 'invoice voided by finance' --ticket INC-7")]
+    Ordering(ordering::OrderingArgs),
     /// The admin HTTP API and operator console: /healthz, /readyz, /metrics, JSON inspection,
     /// history and operator actions under /api/v1 (OpenAPI at /api/v1/openapi.json), the
     /// console at / (charts, alerts, message search and timelines, bulk actions, edit and
@@ -266,5 +275,6 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Doctor(args) => doctor::run(&servers, args).await,
         Command::Cleanup(args) => cleanup::run(&servers, args).await,
         Command::Grants(args) => grants::run(args),
+        Command::Ordering(args) => ordering::run(&servers, args).await,
     }
 }

@@ -122,6 +122,11 @@ pub(crate) struct ServeArgs {
     /// and a latency from first receipt to processed, from the inbox tables.
     #[arg(long, value_name = "URL", env = "INBOX_PROMETHEUS_URL")]
     prometheus_url: Option<String>,
+    /// The header ordered consumers read sequence numbers from (their SequencePolicy
+    /// header): skipping a blocked key's head reads the head's number from it, so that the
+    /// key waits for the next number.
+    #[arg(long, env = "INBOX_SEQUENCE_HEADER", value_name = "HEADER")]
+    sequence_header: Option<String>,
 }
 
 /// An `http://` or `https://` URL with a host.
@@ -248,7 +253,10 @@ pub(crate) async fn run(servers: &Servers, args: ServeArgs) -> anyhow::Result<Ex
         tokens.count(Scope::Admin),
     );
     let state = AdminState {
-        ops: Operations::new(pool, schema),
+        ops: match &args.sequence_header {
+            Some(header) => Operations::new(pool, schema).with_sequence_header(header),
+            None => Operations::new(pool, schema),
+        },
         amqp_url: servers.amqp_url.clone(),
         management_url: args.management_url.clone(),
         queues: args.queues.topology(),

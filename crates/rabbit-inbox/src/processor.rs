@@ -2013,6 +2013,7 @@ impl<H: BatchHandler> Processor<H> {
         };
         let sequenced = order.policy.sequence.as_ref().map(|s| s.first);
         let mut notes: Vec<KeyNote<'_>> = Vec::new();
+        let mut failed_rows = Vec::new();
         for f in failures {
             if f.invalid || f.code == SEQUENCE_PASSED || f.code == ORDER_HEADER_INVALID {
                 continue;
@@ -2029,9 +2030,13 @@ impl<H: BatchHandler> Processor<H> {
                     )
             });
             let envelope = &items[f.index].envelope;
-            if let (true, Ok(Some((key, _)))) = (own_row, Self::order_of(order, envelope))
-                && !notes.iter().any(|n| n.key == key)
-            {
+            let Ok(Some((key, sequence))) = Self::order_of(order, envelope) else {
+                continue;
+            };
+            if own_row {
+                failed_rows.push((envelope.message_id.as_str(), key, sequence));
+            }
+            if own_row && !notes.iter().any(|n| n.key == key) {
                 notes.push(KeyNote {
                     key,
                     head: Some(&envelope.message_id),
@@ -2047,6 +2052,11 @@ impl<H: BatchHandler> Processor<H> {
             .lock_keys(tx, &self.consumer, &keys)
             .await
             .and(Ok(()))
+            .map_err(FailureTxError::store)?;
+        order
+            .ledger
+            .mark_failed(tx, &self.consumer, &failed_rows)
+            .await
             .map_err(FailureTxError::store)?;
         order
             .ledger

@@ -1,8 +1,10 @@
 // The console's entry: builds the views, switches between them by the page's hash
-// (#overview, #messages, #message/<consumer>/<id>), and takes the operator's token. Each
+// (#overview, #messages, #message/<consumer>/<id>, #blocked, #blocked/<consumer>), and takes
+// the operator's token. Each
 // view keeps its own state; they reach one another only through the links given here.
 
 import { forgetToken, useToken } from "./api.js";
+import { BlockedKeys } from "./blocked.js";
 import { Bulk } from "./bulk.js";
 import { $ } from "./dom.js";
 import { MessageView } from "./message.js";
@@ -10,17 +12,24 @@ import { Overview } from "./overview.js";
 import { reporting } from "./page-error.js";
 import { Search } from "./search.js";
 
-/** Shows the overview, or the messages' sections (search, and a message or a bulk action). */
+/**
+ * Shows the overview, the blocked keys, or the messages' sections (search, and a message or a
+ * bulk action).
+ */
 function showView(view) {
   const overview = view === "overview";
+  const blocked = view === "blocked";
+  const messages = !overview && !blocked;
   $("overview-section").hidden = !overview;
-  $("search-section").hidden = overview;
-  if (overview) {
+  $("blocked-section").hidden = !blocked;
+  $("search-section").hidden = !messages;
+  if (!messages) {
     $("detail-section").hidden = true;
     $("bulk-section").hidden = true;
   }
   $("nav-overview").classList.toggle("current", overview);
-  $("nav-messages").classList.toggle("current", !overview);
+  $("nav-blocked").classList.toggle("current", blocked);
+  $("nav-messages").classList.toggle("current", messages);
   if (overview) views.overview.shown();
 }
 
@@ -43,6 +52,10 @@ function route() {
     showView("messages");
     return views.message.show(consumer, id.join("/"));
   }
+  if (hash === "blocked" || hash.startsWith("blocked/")) {
+    showView("blocked");
+    return views.blocked.shown(hash.slice("blocked/".length));
+  }
   showView(hash === "messages" ? "messages" : "overview");
   return Promise.resolve();
 }
@@ -58,6 +71,7 @@ const views = Object.freeze({
   search: new Search({ showView, openMessage, openBulk }),
   message: new MessageView(openMessage, refresh),
   bulk: new Bulk({ showView, openMessage, afterRun: refresh }),
+  blocked: new BlockedKeys({ openMessage }),
 });
 
 $("token-form").addEventListener("submit", (e) => {

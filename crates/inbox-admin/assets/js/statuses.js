@@ -11,6 +11,7 @@ const TABLE = [
   ["PERMANENT_FAILED", "parked"],
   ["POISONED", "parked"],
   ["MANUAL_REVIEW", "parked"],
+  ["HELD", "in progress"],
 ];
 
 const having = (meaning) => TABLE.filter(([, m]) => m === meaning).map(([status]) => status);

@@ -334,6 +334,8 @@ async fn the_openapi_document_describes_every_route() {
         "POST /api/v1/jobs",
         "GET /api/v1/jobs/{id}",
         "POST /api/v1/messages/{consumer}/{message_id}/replay-edited",
+        "GET /api/v1/consumers/{consumer}/blocked-keys",
+        "POST /api/v1/consumers/{consumer}/blocked-keys/skip",
     ]
     .into_iter()
     .map(str::to_owned)
@@ -455,6 +457,24 @@ async fn the_openapi_document_describes_every_route() {
         reopen,
     )
     .await;
+    // A blocked key, listed (its head's error text to an admin only) and skipped.
+    fx.block_key("customer-7", 10).await;
+    let blocked = "/api/v1/consumers/{consumer}/blocked-keys";
+    let blocked_path = format!("/api/v1/consumers/{CONSUMER}/blocked-keys");
+    for token in [READ_TOKEN, ADMIN_TOKEN] {
+        check("GET", blocked, &blocked_path, token, none.clone()).await;
+    }
+    let skip = json!({ "order_key": "customer-7", "expected_head": "customer-7-head",
+                       "reason": "check", "ticket": "INC-9" });
+    let skipped = check(
+        "POST",
+        &format!("{blocked}/skip"),
+        &format!("{blocked_path}/skip"),
+        ADMIN_TOKEN,
+        skip,
+    )
+    .await;
+    assert_eq!(skipped["to_release"], 2, "{skipped}");
     // The reads, after the actions: audit entries and a reopened row to show.
     for (route, path, token) in [
         ("/api/v1/status", "/api/v1/status".to_owned(), READ_TOKEN),

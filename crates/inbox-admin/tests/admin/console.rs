@@ -1,7 +1,8 @@
 //! An operator's night in the console, in headless Chromium over a real inbox with a running
 //! consumer: the overview's charts and an alert banner, finding a message by id and reading its
 //! timeline, a bulk redrive of a failure group with its preview and audit trail, editing and
-//! replaying a poisoned message, and the charts moving while the consumer processes.
+//! replaying a poisoned message, skipping the head of a blocked ordering key, and the charts
+//! moving while the consumer processes.
 //! Screenshots at desktop (1920x1080) and laptop (1366x768) widths are saved under
 //! `target/console-screenshots/`.
 
@@ -12,8 +13,8 @@ use serde_json::json;
 use crate::{
     browser::{Browser, text_of, wait_for_text},
     util::{
-        ADMIN_TOKEN, CAPTURE_TYPE, CONSUMER, Fixture, NEGATIVE_CODE, OrderHandler, REFUSED_CODE,
-        REFUSED_TYPE,
+        ADMIN_TOKEN, AMENDMENT_CODE, CAPTURE_TYPE, CONSUMER, Fixture, NEGATIVE_CODE, OrderHandler,
+        REFUSED_CODE, REFUSED_TYPE,
     },
 };
 
@@ -279,6 +280,48 @@ async fn an_operators_night_in_the_console() {
         2,
         "the original's parked copy is gone"
     );
+
+    // Two ordered keys blocked behind parked amendments and one waiting for a missing
+    // sequence number: the blocked-keys view, and the oldest key's head skipped with a reason
+    // and a ticket (the head stays parked).
+    fx.block_key("customer-7", 42).await;
+    fx.block_key("customer-9", 3).await;
+    fx.hold_after_gap("customer-12", 4, 6, 11).await;
+    browser.click("#nav-blocked").await;
+    let table = wait_for_text(client, "#blocked-keys tbody", "customer-9").await;
+    let first = text_of(client, "#blocked-keys tbody tr:first-child").await;
+    assert!(first.contains("customer-7-head"), "oldest first: {table}");
+    assert!(
+        first.contains(AMENDMENT_CODE) && first.contains("42m"),
+        "{first}"
+    );
+    let gap = text_of(client, "#blocked-keys tr[data-key='customer-12']").await;
+    assert!(
+        gap.contains("sequence gap") && gap.contains("4 / 6"),
+        "{gap}"
+    );
+    browser
+        .click("#blocked-keys tr[data-key='customer-7'] a.skip")
+        .await;
+    wait_for_text(client, "#skip-what", "customer-7-head").await;
+    browser
+        .type_into("#skip-reason", "amendment withdrawn by the customer")
+        .await;
+    browser.type_into("#skip-ticket", "ORD-77").await;
+    browser.screenshot("blocked-keys-desktop").await;
+    assert_eq!(audited(&fx, "skip_head").await, 0, "asking changes nothing");
+    browser.click("#skip-run").await;
+    let done = wait_for_text(client, "#skip-result", "Skipped the head customer-7-head").await;
+    assert!(done.contains("2 of 2 held message(s) go on"), "{done}");
+    wait_for_text(client, "#blocked-summary", "2 key(s)").await;
+    assert_eq!(audited(&fx, "skip_head").await, 1);
+    let head = fx
+        .env
+        .record(CONSUMER, "customer-7-head")
+        .await
+        .expect("the head's row is kept");
+    assert!(head.status.is_parked(), "{:?}", head.status);
+    browser.assert_no_script_errors().await;
 
     // The same console at laptop width.
     client

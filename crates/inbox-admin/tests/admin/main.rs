@@ -11,6 +11,7 @@ mod console_statuses;
 mod dashboard;
 mod exposure;
 mod layering;
+mod ordering_api;
 mod prometheus;
 mod response_schema;
 mod util;

@@ -30,6 +30,8 @@ pub(crate) const PAYLOAD_TOKEN: &str = "4c8e2a6f0b3d5e7a9c1e3f5b7d9a2c4e";
 pub(crate) const ADMIN_TOKEN: &str = "e7d5c3b1a9f8e6d4c2b0a8f6e4d2c0b9";
 pub(crate) const REFUSED_TYPE: &str = "RefundRequested";
 pub(crate) const REFUSED_CODE: &str = "refund_unsupported";
+/// The error code of the parked heads of [`Fixture::block_key`].
+pub(crate) const AMENDMENT_CODE: &str = "amendment_unsupported";
 /// A type whose body the handler checks: a negative amount is refused permanently.
 pub(crate) const CAPTURE_TYPE: &str = "PaymentCaptured";
 pub(crate) const NEGATIVE_CODE: &str = "negative_amount";
@@ -227,6 +229,74 @@ impl Fixture {
 
     pub(crate) async fn depths(&self) -> QueueDepths {
         self.env.depths(&self.topology).await
+    }
+
+    /// Blocks the ordering key `key` of [`CONSUMER`], as an ordered consumer leaves it when a
+    /// message fails: its head `<key>-head` (PERMANENT_FAILED, [`AMENDMENT_CODE`]) since
+    /// `minutes` ago, and two messages held behind it (`<key>-2`, `<key>-3`).
+    pub(crate) async fn block_key(&self, key: &str, minutes: u32) {
+        let s = format!("\"{}\"", self.env.schema.as_str());
+        let row = |id: String, status: &str, position: &str| {
+            format!(
+                "INSERT INTO {s}.message_inbox (message_id, consumer_name, message_type, \
+                   message_version, status, payload_sha256, order_key, order_position, \
+                   first_received_at, aggregate_id, last_error_code, last_error_message) \
+                 VALUES ('{id}', '{CONSUMER}', 'OrderAmended', 1, '{status}', \
+                   sha256('{id}'::bytea), '{key}', {position}, \
+                   now() - interval '{minutes} minutes', '{key}', {code}, {message});",
+                code = if status == "HELD" {
+                    "NULL".into()
+                } else {
+                    format!("'{AMENDMENT_CODE}'")
+                },
+                message = if status == "HELD" {
+                    "NULL"
+                } else {
+                    "'amendments are not supported yet'"
+                },
+            )
+        };
+        let sql = [
+            row(format!("{key}-head"), "PERMANENT_FAILED", "NULL"),
+            row(format!("{key}-2"), "HELD", "nextval('{s}.inbox_order_position_seq')"),
+            row(format!("{key}-3"), "HELD", "nextval('{s}.inbox_order_position_seq')"),
+            format!(
+                "INSERT INTO {s}.inbox_order_key (consumer_name, order_key, head_message_id, \
+                   blocked_since) \
+                 VALUES ('{CONSUMER}', '{key}', '{key}-head', now() - interval '{minutes} minutes');"
+            ),
+        ]
+        .concat()
+        .replace("{s}", &s);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&self.env.pool)
+            .await
+            .expect("a blocked key");
+    }
+
+    /// Holds two messages of the ordering key `key` of [`CONSUMER`] (sequence numbers `first`
+    /// and `first + 1`) while it waits for `next`, since `minutes` ago: a sequence gap.
+    pub(crate) async fn hold_after_gap(&self, key: &str, next: i64, first: i64, minutes: u32) {
+        let s = format!("\"{}\"", self.env.schema.as_str());
+        let mut sql = String::new();
+        for n in [first, first + 1] {
+            sql.push_str(&format!(
+                "INSERT INTO {s}.message_inbox (message_id, consumer_name, message_type, \
+                   message_version, status, payload_sha256, order_key, order_position, \
+                   first_received_at, aggregate_id) \
+                 VALUES ('{key}-{n}', '{CONSUMER}', 'OrderAmended', 1, 'HELD', \
+                   sha256('{key}-{n}'::bytea), '{key}', {n}, \
+                   now() - interval '{minutes} minutes', '{key}');"
+            ));
+        }
+        sql.push_str(&format!(
+            "INSERT INTO {s}.inbox_order_key (consumer_name, order_key, next_sequence, gap_since) \
+             VALUES ('{CONSUMER}', '{key}', {next}, now() - interval '{minutes} minutes');"
+        ));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&self.env.pool)
+            .await
+            .expect("a key waiting on a gap");
     }
 
     /// `(actor, action, message_id, reason)` of every audit row, oldest first.

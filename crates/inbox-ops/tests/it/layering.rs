@@ -32,6 +32,8 @@ const ORDER: &[&str] = &[
     "release",
     "replay",
     "retention",
+    // Ordered processing: the blocked keys and skipping their heads.
+    "ordering",
     // The broker's management API, read by the doctor.
     "management",
     // Checks over all of the above, then the builder of a service with its background work.
@@ -58,6 +60,7 @@ const FORBIDDEN: &[(&str, &str)] = &[
     ("doctor", "reopen"),
     ("doctor", "replay"),
     ("doctor", "retention"),
+    ("doctor", "ordering"),
 ];
 
 fn layers() -> Layers<'static> {

@@ -10,6 +10,7 @@ mod layering;
 mod ops_inspect;
 mod ops_recover;
 mod ops_redrive;
+mod ordering_ops;
 mod ordering_release;
 mod replay;
 mod retention;

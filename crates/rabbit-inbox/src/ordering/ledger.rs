@@ -30,6 +30,7 @@ pub(crate) struct OrderLedger {
     note: SqlStr,
     advance: SqlStr,
     positions: SqlStr,
+    mark_failed: SqlStr,
 }
 
 /// A change to a key's row on holding or failing (see [`OrderLedger::note`]).
@@ -107,6 +108,13 @@ impl OrderLedger {
                  INSERT INTO {k} (consumer_name, order_key, next_sequence) \
                  SELECT $1, u.key, u.next FROM u \
                  WHERE u.next IS NOT NULL AND u.key NOT IN (SELECT order_key FROM upd)"
+            )),
+            // Only a row that failed under the key: one already HELD keeps its place.
+            mark_failed: audited(format!(
+                "UPDATE {t} AS i SET order_key = u.key, \
+                   order_position = coalesce(u.pos, i.order_position) \
+                 FROM unnest($2::text[], $3::text[], $4::int8[]) AS u(id, key, pos) \
+                 WHERE i.consumer_name = $1 AND i.message_id = u.id AND i.status <> '{held}'"
             )),
             positions: audited(format!(
                 "SELECT nextval('{}') FROM generate_series(1, $1)",
@@ -204,6 +212,28 @@ impl OrderLedger {
             .bind(notes.iter().map(|n| n.head).collect::<Vec<_>>())
             .bind(notes.iter().map(|n| n.first_sequence).collect::<Vec<_>>())
             .bind(notes.iter().map(|n| n.gap).collect::<Vec<_>>())
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Writes the ordering key and sequence number on rows that failed under a key (its head,
+    /// or a message behind it), so that an operator's view and skip know the head's place.
+    pub(crate) async fn mark_failed(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        rows: &[(&str, &str, Option<i64>)],
+    ) -> Result<(), StoreError> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(self.mark_failed.clone())
+            .persistent(false)
+            .bind(consumer)
+            .bind(rows.iter().map(|r| r.0).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.1).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.2).collect::<Vec<_>>())
             .execute(conn)
             .await?;
         Ok(())

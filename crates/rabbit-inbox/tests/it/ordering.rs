@@ -244,9 +244,20 @@ async fn sequence_numbers_hold_a_gap_until_the_missing_number_arrives() {
         None,
         "a passed number blocks nothing"
     );
+    assert_eq!(applied(&scratch, "k").await, vec![1, 2, 3, 4]);
+
+    // A failing head records its key and number, so an operator sees where it stands.
+    let failing = TestMessage::json("Step", json!({"step": 5, "fail": "permanent"}))
+        .aggregate("Order", "k")
+        .header("x-sequence", 5);
+    let parked = kit.deliver(failing).await.expect("delivered");
+    let row = parked.record.as_ref().expect("a row");
+    assert_eq!(row.order_key.as_deref(), Some("k"));
+    assert_eq!(row.order_position, Some(5));
     assert_eq!(
-        kit.deliver(n(5)).await.expect("delivered").outcome,
-        Outcome::Processed
+        head(&scratch, "k").await.as_deref(),
+        Some(row.message_id.as_str())
     );
-    assert_eq!(applied(&scratch, "k").await, vec![1, 2, 3, 4, 5]);
+    let behind = kit.deliver(n(6)).await.expect("delivered");
+    assert_eq!(behind.outcome, Outcome::Held);
 }
