@@ -121,8 +121,9 @@ pub struct ChaosArgs {
     hostile: Vec<Hostile>,
     /// The ordered run instead: the consumers order each order's messages by `x-sequence`
     /// (`consume --ordered`), the stream is each order's `OrderStep`s 1..n (`--hostile` does
-    /// not apply), some fail until retried, some are refused, then redriven during the run,
-    /// and the order service's journal must show every step applied once, in order.
+    /// not apply), some fail until retried, some are refused, then redriven or skipped during
+    /// the run, and the order service's journal must show every step applied once, in order
+    /// (a skipped one never).
     #[arg(long, conflicts_with = "cluster")]
     ordered: bool,
     /// Steps per order of the ordered run.

@@ -573,9 +573,13 @@ pub struct OrderedStream {
     pub duplicates: usize,
     /// Steps that fail retryably until a retry returns them ([`order_service::StepFault::RetryOnce`]).
     pub retried: Vec<Step>,
-    /// Steps refused (parked) until their fault is cleared and they are redriven
-    /// ([`order_service::StepFault::Refuse`]), at most one per order; at least one in a stream.
-    pub refused: Vec<Step>,
+    /// Steps refused ([`order_service::StepFault::Refuse`]: parked, blocking their order)
+    /// until their fault is cleared and they are redriven; at least one in a stream.
+    pub redriven: Vec<Step>,
+    /// Steps refused as well, whose order an operator lets go on without them: skipped heads,
+    /// never applied; at least one in a stream of two orders. At most one refused step
+    /// (redriven or skipped) per order.
+    pub skipped: Vec<Step>,
 }
 
 impl OrderedStream {
@@ -595,7 +599,8 @@ impl OrderedStream {
             steps,
             duplicates: 0,
             retried: Vec::new(),
-            refused: Vec::new(),
+            redriven: Vec::new(),
+            skipped: Vec::new(),
         };
         let mut late = Vec::new();
         let mut next = vec![1i64; orders];
@@ -628,23 +633,35 @@ impl OrderedStream {
         for m in late {
             stream.push(m);
         }
+        let mut refused: Vec<Step> = Vec::new();
         for k in 0..orders {
-            let refused = rng
+            let step = rng
                 .random_bool(REFUSED_SHARE)
                 .then(|| rng.random_range(1..=steps));
-            if let Some(step) = refused {
-                stream.refused.push(step_of(k, step));
+            if let Some(step) = step {
+                refused.push(step_of(k, step));
             }
-            for step in 1..=steps {
-                if Some(step) != refused && rng.random_bool(RETRIED_SHARE) {
-                    stream.retried.push(step_of(k, step));
+            for n in 1..=steps {
+                if Some(n) != step && rng.random_bool(RETRIED_SHARE) {
+                    stream.retried.push(step_of(k, n));
                 }
             }
         }
-        if stream.refused.is_empty() && orders > 0 {
-            let s = step_of(0, (steps + 1) / 2);
-            stream.retried.retain(|r| *r != s);
-            stream.refused.push(s);
+        // One to redrive and one to skip, at least, in every stream that has room for them.
+        for k in [0, orders.saturating_sub(1)] {
+            if refused.len() < orders.min(2) && !refused.iter().any(|r| r.order_id == order_ids[k])
+            {
+                let s = step_of(k, (steps + 1) / 2);
+                stream.retried.retain(|r| *r != s);
+                refused.push(s);
+            }
+        }
+        for (i, s) in refused.into_iter().enumerate() {
+            if i % 2 == 0 {
+                stream.redriven.push(s);
+            } else {
+                stream.skipped.push(s);
+            }
         }
         stream
     }
@@ -987,22 +1004,32 @@ mod tests {
             .map(|(i, _)| i)
             .collect();
         assert!(firsts.last().expect("steps") - firsts[0] > 10);
-        // Failures: at most one refused step per order, never also retried.
-        assert!(!s.refused.is_empty() && !s.retried.is_empty());
-        let refused_orders: HashSet<&str> = s.refused.iter().map(|r| r.order_id.as_str()).collect();
-        assert_eq!(refused_orders.len(), s.refused.len());
-        assert!(s.retried.iter().all(|r| !s.refused.contains(r)));
+        // Failures: at most one refused step per order, never also retried; some refused
+        // steps are redriven, others skipped.
+        assert!(!s.redriven.is_empty() && !s.skipped.is_empty() && !s.retried.is_empty());
+        let refused: Vec<&Step> = s.redriven.iter().chain(&s.skipped).collect();
+        let refused_orders: HashSet<&str> = refused.iter().map(|r| r.order_id.as_str()).collect();
+        assert_eq!(refused_orders.len(), refused.len());
+        assert!(s.retried.iter().all(|r| !refused.contains(&r)));
         let again = OrderedStream::generate(200, 10, 7);
-        assert_eq!(again.refused, s.refused);
+        assert_eq!(again.redriven, s.redriven);
+        assert_eq!(again.skipped, s.skipped);
         assert_eq!(again.retried, s.retried);
         assert_eq!(again.messages.len(), s.messages.len());
     }
 
     #[test]
-    fn a_small_ordered_stream_still_refuses_a_step() {
-        let s = OrderedStream::generate(1, 3, 1);
-        assert_eq!(s.refused.len(), 1);
-        assert_eq!(s.refused[0].step, 2);
-        assert!(s.retried.iter().all(|r| r.step != 2));
+    fn a_small_ordered_stream_still_refuses_steps() {
+        let one = OrderedStream::generate(1, 3, 1);
+        assert_eq!(one.redriven.len(), 1);
+        assert_eq!(one.redriven[0].step, 2);
+        assert!(
+            one.skipped.is_empty(),
+            "one order: nothing to go on without"
+        );
+        assert!(one.retried.iter().all(|r| r.step != 2));
+        let two = OrderedStream::generate(2, 3, 1);
+        assert_eq!((two.redriven.len(), two.skipped.len()), (1, 1));
+        assert_ne!(two.redriven[0].order_id, two.skipped[0].order_id);
     }
 }

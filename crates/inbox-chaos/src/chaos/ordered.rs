@@ -2,10 +2,11 @@
 //! order's messages by `x-sequence` (`consume --ordered`, with the release task beside the
 //! consumer); the stream is each order's `OrderStep`s 1..n, interleaved across orders and
 //! published in each order's sequence. Some steps fail until a retry returns them, some are
-//! refused (parked, blocking their order) and, during the run, fixed and redriven by the run's
-//! operator, while consumers are SIGKILLed, connections dropped and PostgreSQL restarted.
-//! Then the order service's journal must show every order's steps applied once each, in their
-//! order, with nothing held or blocked left.
+//! refused (parked, blocking their order) and, during the run, fixed and redriven, or skipped,
+//! by the run's operator, while consumers are SIGKILLed, connections dropped and PostgreSQL
+//! restarted. Then the order service's journal must show every order's steps applied once
+//! each, in their order, but for the skipped ones (exactly the audited skips), with nothing
+//! held or blocked left.
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -14,7 +15,12 @@ use std::{
 };
 
 use anyhow::Context;
-use inbox_ops::{Actor, NoProgress, Operations, redrive::RedriveRequest};
+use inbox_ops::{
+    Actor, NoProgress, Operations,
+    ordering::SKIP_HEAD,
+    redrive::{REDRIVE, RedriveRequest},
+    reopen::REOPEN,
+};
 use rabbit_inbox::{
     ConsumerConfig, InboxStatus, SchemaName,
     broker::{Broker, QueueDepths},
@@ -33,10 +39,10 @@ use crate::{
 };
 
 /// How long a refused step stays parked (its order blocked, the order's later steps held)
-/// before the run's operator clears its fault and redrives it.
+/// before the run's operator clears its fault and redrives it, or skips it.
 const REDRIVE_AFTER: Duration = Duration::from_secs(3);
 
-/// How often the operator looks for refused steps to redrive.
+/// How often the operator looks for refused steps to redrive or skip.
 const OPERATOR_EVERY: Duration = Duration::from_secs(1);
 
 /// Orders named per failed check of the journal.
@@ -96,12 +102,13 @@ pub(super) async fn run(
         instances: Vec::new(),
         started: 0,
     };
-    let mut operator = Operator::new(&pool, &schema, &servers.amqp_url, &config, &stream)?;
+    let mut operator = Operator::new(&pool, &schema, &servers.amqp_url, &config, &stream);
     let run = Run {
         pool: &pool,
         servers,
         config: &config,
         unique: stream.unique_keys() as i64,
+        skipped: stream.skipped.len() as i64,
         plan,
         drop_connections,
     };
@@ -147,13 +154,14 @@ async fn publish_stream(
     broker.close().await;
     println!(
         "published {} messages: {} orders of {} steps in x-sequence order, {} exact duplicates; \
-         {} steps fail until retried, {} are refused until redriven",
+         {} steps fail until retried, {} are refused until redriven, {} refused and skipped",
         stream.messages.len(),
         stream.orders.len(),
         stream.steps,
         stream.duplicates,
         stream.retried.len(),
-        stream.refused.len()
+        stream.redriven.len(),
+        stream.skipped.len()
     );
     Ok((pool, stream))
 }
@@ -170,8 +178,9 @@ async fn set_faults(
         .map(|s| (s, order_service::StepFault::RetryOnce))
         .chain(
             stream
-                .refused
+                .redriven
                 .iter()
+                .chain(&stream.skipped)
                 .map(|s| (s, order_service::StepFault::Refuse)),
         );
     for (step, fault) in faults {
@@ -189,6 +198,8 @@ struct Run<'a> {
     config: &'a ConsumerConfig,
     /// Distinct messages of the stream.
     unique: i64,
+    /// Of which skipped: parked for good.
+    skipped: i64,
     plan: Vec<(f64, Fault)>,
     drop_connections: &'a str,
 }
@@ -259,7 +270,11 @@ impl Run<'_> {
                 tally.show(began, &depths, &w.figures);
                 last_line = Instant::now();
             }
-            if !acted && w.faults_run == self.plan.len() && tally.settled(self.unique, &depths) {
+            let (processed, parked) = (self.unique - self.skipped, self.skipped);
+            if !acted
+                && w.faults_run == self.plan.len()
+                && tally.settled(processed, parked, &depths)
+            {
                 w.settled = true;
                 break;
             }
@@ -341,11 +356,12 @@ impl Tally {
         })
     }
 
-    /// Every step processed, nothing held, blocked, failed or queued.
-    fn settled(&self, unique: i64, depths: &QueueDepths) -> bool {
-        self.processed == unique
+    /// `processed` steps processed and `parked` parked (the skipped ones), nothing held,
+    /// blocked, retrying or queued.
+    fn settled(&self, processed: i64, parked: i64, depths: &QueueDepths) -> bool {
+        self.processed == processed
             && self.held == 0
-            && self.parked == 0
+            && self.parked == parked
             && self.retryable == 0
             && self.processing == 0
             && self.blocked_keys == 0
@@ -371,29 +387,46 @@ impl Tally {
     }
 }
 
-/// The run's operator: finds the refused steps once they have been parked a while, makes the
-/// fix (clears their fault) and redrives them, as a person would with `inboxctl redrive`.
+/// The run's operator: finds the refused steps once they have been parked a while, and
+/// either makes the fix (clears their fault) and redrives them, as a person would with
+/// `inboxctl redrive`, or lets their order go on without them (`inboxctl ordering skip`).
 struct Operator<'a> {
     pool: &'a sqlx::PgPool,
     schema: &'a SchemaName,
     amqp_url: &'a str,
     config: &'a ConsumerConfig,
-    /// The refused steps, by message id.
-    refused: HashMap<&'a str, &'a Step>,
+    /// The refused steps to redrive, by message id.
+    to_redrive: HashMap<&'a str, &'a Step>,
+    /// The refused steps to skip, by message id.
+    to_skip: HashMap<&'a str, &'a Step>,
     ops: Operations,
-    actor: Actor,
     last: Option<Instant>,
     /// Refused steps of a redrive that failed, not PROCESSED yet: redriven again, as a
     /// redrive a fault cut short may leave a reopened row's copy in the parking lot.
     pending: HashSet<String>,
     /// Redrives run.
     rounds: usize,
-    /// Rounds a fault cut short (tried again at the next round).
-    failed_rounds: Vec<String>,
+    /// Heads skipped.
+    skips: usize,
+    /// Redrives and skips a fault cut short (tried again at the next round).
+    failed: Vec<String>,
     /// Refused steps found parked without being their order's head.
     not_heads: HashSet<String>,
     /// Parked rows that are not refused steps, with their error code.
     unexpected: BTreeMap<String, String>,
+}
+
+/// One parked row the operator looks at.
+struct Parked {
+    message_id: String,
+    /// Parked (not reopened by a redrive that failed).
+    parked: bool,
+    /// Its order's head.
+    is_head: bool,
+    /// A skip of it is audited.
+    skipped: bool,
+    /// Status and last error code, as shown.
+    shown: String,
 }
 
 impl<'a> Operator<'a> {
@@ -403,73 +436,62 @@ impl<'a> Operator<'a> {
         amqp_url: &'a str,
         config: &'a ConsumerConfig,
         stream: &'a OrderedStream,
-    ) -> anyhow::Result<Self> {
-        Ok(Self {
+    ) -> Self {
+        let by_id = |steps: &'a [Step]| steps.iter().map(|s| (s.message_id.as_str(), s)).collect();
+        Self {
             pool,
             schema,
             amqp_url,
             config,
-            refused: stream
-                .refused
-                .iter()
-                .map(|s| (s.message_id.as_str(), s))
-                .collect(),
-            ops: Operations::new(pool.clone(), schema.clone()),
-            actor: Actor::new("inbox-lab chaos", "the refused step's fault is cleared")?,
+            to_redrive: by_id(&stream.redriven),
+            to_skip: by_id(&stream.skipped),
+            ops: Operations::new(pool.clone(), schema.clone())
+                .with_sequence_header(order_service::SEQUENCE_HEADER),
             last: None,
             pending: HashSet::new(),
             rounds: 0,
-            failed_rounds: Vec::new(),
+            skips: 0,
+            failed: Vec::new(),
             not_heads: HashSet::new(),
             unexpected: BTreeMap::new(),
-        })
+        }
     }
 
-    /// A round every [`OPERATOR_EVERY`]; a round a fault cuts short is noted and tried again.
+    /// A round every [`OPERATOR_EVERY`]; what a fault cuts short is noted and tried again.
     async fn act(&mut self) {
         if self.last.is_some_and(|t| t.elapsed() < OPERATOR_EVERY) {
             return;
         }
         self.last = Some(Instant::now());
         if let Err(e) = self.round().await {
-            self.failed_rounds.push(format!("{e:#}"));
+            self.failed.push(format!("{e:#}"));
         }
     }
 
     async fn round(&mut self) -> anyhow::Result<()> {
-        let t = self.schema.qualify(tables::MESSAGE_INBOX);
-        let k = self.schema.qualify(tables::INBOX_ORDER_KEY);
-        let rows = sqlx::query(AssertSqlSafe(format!(
-            "SELECT m.message_id, m.status, m.last_error_code, m.status IN ({PARKED}) AS parked, \
-               EXISTS (SELECT 1 FROM {k} k WHERE k.consumer_name = $1 \
-                 AND k.head_message_id = m.message_id) AS is_head \
-             FROM {t} m \
-             WHERE m.consumer_name = $1 AND ( \
-               (m.status IN ({PARKED}) AND m.last_failed_at < now() - make_interval(secs => $2)) \
-               OR (m.message_id = ANY($3) AND m.status <> '{processed}'))",
-            processed = InboxStatus::Processed.as_str()
-        )))
-        .bind(order_service::CONSUMER_NAME)
-        .bind(REDRIVE_AFTER.as_secs_f64())
-        .bind(self.pending.iter().cloned().collect::<Vec<_>>())
-        .fetch_all(self.pool)
-        .await?;
         let mut due = Vec::new();
-        for row in &rows {
-            let id: String = row.try_get("message_id")?;
-            let status: String = row.try_get("status")?;
-            let Some(step) = self.refused.get(id.as_str()) else {
-                let code: Option<String> = row.try_get("last_error_code")?;
-                self.unexpected
-                    .insert(id, format!("{status} {}", code.unwrap_or_default()));
-                continue;
-            };
-            if row.try_get("parked")? && !row.try_get::<bool, _>("is_head")? {
-                self.not_heads.insert(id.clone());
+        for row in self.parked().await? {
+            if let Some(step) = self.to_redrive.get(row.message_id.as_str()) {
+                if row.parked && !row.is_head {
+                    self.not_heads.insert(row.message_id.clone());
+                }
+                order_service::clear_step_fault(self.pool, self.schema, &step.order_id, step.step)
+                    .await?;
+                due.push(row.message_id);
+            } else if let Some(step) = self.to_skip.get(row.message_id.as_str()) {
+                if row.skipped {
+                    continue;
+                }
+                if !row.is_head {
+                    self.not_heads.insert(row.message_id.clone());
+                    continue;
+                }
+                if let Err(e) = self.skip(step).await {
+                    self.failed.push(format!("{e:#}"));
+                }
+            } else {
+                self.unexpected.insert(row.message_id, row.shown);
             }
-            order_service::clear_step_fault(self.pool, self.schema, &step.order_id, step.step)
-                .await?;
-            due.push(id);
         }
         if due.is_empty() {
             return Ok(());
@@ -482,6 +504,45 @@ impl<'a> Operator<'a> {
             Err(_) => due.into_iter().collect(),
         };
         redriven
+    }
+
+    /// The rows parked for [`REDRIVE_AFTER`] at least, and those of a redrive that failed
+    /// that are not PROCESSED yet.
+    async fn parked(&self) -> anyhow::Result<Vec<Parked>> {
+        let t = self.schema.qualify(tables::MESSAGE_INBOX);
+        let k = self.schema.qualify(tables::INBOX_ORDER_KEY);
+        let a = self.schema.qualify("inbox_audit");
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT m.message_id, m.status, m.last_error_code, m.status IN ({PARKED}) AS parked, \
+               EXISTS (SELECT 1 FROM {k} k WHERE k.consumer_name = $1 \
+                 AND k.head_message_id = m.message_id) AS is_head, \
+               EXISTS (SELECT 1 FROM {a} a WHERE a.consumer_name = $1 \
+                 AND a.message_id = m.message_id AND a.action = $4) AS skipped \
+             FROM {t} m \
+             WHERE m.consumer_name = $1 AND ( \
+               (m.status IN ({PARKED}) AND m.last_failed_at < now() - make_interval(secs => $2)) \
+               OR (m.message_id = ANY($3) AND m.status <> '{processed}'))",
+            processed = InboxStatus::Processed.as_str()
+        )))
+        .bind(order_service::CONSUMER_NAME)
+        .bind(REDRIVE_AFTER.as_secs_f64())
+        .bind(self.pending.iter().cloned().collect::<Vec<_>>())
+        .bind(SKIP_HEAD)
+        .fetch_all(self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let status: String = row.try_get("status")?;
+                let code: Option<String> = row.try_get("last_error_code")?;
+                Ok(Parked {
+                    message_id: row.try_get("message_id")?,
+                    parked: row.try_get("parked")?,
+                    is_head: row.try_get("is_head")?,
+                    skipped: row.try_get("skipped")?,
+                    shown: format!("{status} {}", code.unwrap_or_default()),
+                })
+            })
+            .collect()
     }
 
     async fn redrive(&mut self, message_ids: Vec<String>) -> anyhow::Result<()> {
@@ -497,13 +558,32 @@ impl<'a> Operator<'a> {
             message_ids,
             ..Default::default()
         };
+        let actor = Actor::new("inbox-lab chaos", "the refused step's fault is cleared")?;
         let redriven = self
             .ops
-            .redrive(&lot, &request, Some(&self.actor), &NoProgress)
+            .redrive(&lot, &request, Some(&actor), &NoProgress)
             .await;
         lot.close().await;
         redriven?;
         self.rounds += 1;
+        Ok(())
+    }
+
+    /// Lets the refused step's order go on without it; the step stays parked.
+    async fn skip(&mut self, step: &Step) -> anyhow::Result<()> {
+        let actor = Actor::new(
+            "inbox-lab chaos",
+            "the order goes on without its refused step",
+        )?;
+        self.ops
+            .skip_head(
+                &actor,
+                order_service::CONSUMER_NAME,
+                &step.order_id,
+                Some(&step.message_id),
+            )
+            .await?;
+        self.skips += 1;
         Ok(())
     }
 }
@@ -516,8 +596,8 @@ struct Journal {
     out_of_order: Vec<String>,
     /// Steps applied more than once (one count per extra application).
     applied_twice: usize,
-    /// Steps never applied.
-    missing: Vec<String>,
+    /// Steps never applied: (order, step).
+    missing: Vec<(String, i64)>,
     /// Rows for no step of the stream.
     unknown: usize,
 }
@@ -558,7 +638,7 @@ impl Journal {
     }
 
     /// Judges one order of `steps` steps by the numbers journaled for it, in commit order:
-    /// they must be 1..=`steps`, each once, increasing.
+    /// they must be 1..=`steps`, each once, increasing (a skipped step is missing).
     fn judge(&mut self, order: &str, numbers: &[i64], steps: i64) {
         if !numbers.windows(2).all(|w| w[0] < w[1]) {
             self.out_of_order.push(format!("{order}: {numbers:?}"));
@@ -572,7 +652,7 @@ impl Journal {
         self.missing.extend(
             (1..=steps)
                 .filter(|n| !distinct.contains(n))
-                .map(|n| format!("{order} step {n}")),
+                .map(|n| (order.to_owned(), n)),
         );
     }
 }
@@ -589,6 +669,10 @@ struct Verdict {
     failed: HashMap<String, HashSet<String>>,
     /// Message ids whose row a redrive reopened.
     redriven: HashSet<String>,
+    /// Message ids skipped as their key's head (audited `skip_head`).
+    skipped: HashSet<String>,
+    /// Inbox keys of the parking lot's copies, payload conflicts apart, with their copies.
+    parked_copies: HashMap<String, usize>,
 }
 
 impl Verdict {
@@ -620,7 +704,9 @@ impl Verdict {
             deliveries: Deliveries::count(&published, &ledger, &parking.copies_by_key()),
             journal: Journal::read(pool, schema, stream).await?,
             failed: failures(pool, schema).await?,
-            redriven: redriven(pool, schema).await?,
+            redriven: audited(pool, schema, REOPEN, Some(REDRIVE)).await?,
+            skipped: audited(pool, schema, SKIP_HEAD, None).await?,
+            parked_copies: parking.copies_by_key(),
         })
     }
 }
@@ -651,17 +737,17 @@ impl Verdict {
         other
     }
 
+    /// The run's checks: the faults, the consumers, the inbox and the queues.
     fn checks(
         &self,
         stream: &OrderedStream,
         w: &Watched,
         stop_problems: &[String],
-        operator: &Operator<'_>,
         scheduled: usize,
     ) -> Vec<(&'static str, bool)> {
-        let refused = ids(&stream.refused);
-        let redriven: HashSet<&str> = self.redriven.iter().map(String::as_str).collect();
-        let (t, j, d) = (&self.tally, &self.journal, &self.deliveries);
+        let (t, d) = (&self.tally, &self.deliveries);
+        let skipped = stream.skipped.len() as i64;
+        let lot: HashSet<&str> = self.parked_copies.keys().map(String::as_str).collect();
         vec![
             ("settled before the deadline", w.settled),
             (
@@ -678,42 +764,79 @@ impl Verdict {
                 stop_problems.is_empty(),
             ),
             (
-                "zero lost: every step PROCESSED",
-                t.processed == stream.unique_keys() as i64
-                    && t.parked + t.retryable + t.processing == 0,
+                "zero lost: every step PROCESSED, but the skipped ones, parked",
+                t.processed == stream.unique_keys() as i64 - skipped
+                    && t.parked == skipped
+                    && t.retryable + t.processing == 0,
             ),
             ("no HELD rows left", t.held == 0),
             ("no blocked keys left", t.blocked_keys == 0),
             ("no sequence gap outlived its timeout", t.gaps_reported == 0),
             (
-                "work and retry queues and parking lot empty",
-                self.depths.work == 0 && self.depths.retry == 0 && self.parking_copies == 0,
+                "work and retry queues empty",
+                self.depths.work == 0 && self.depths.retry == 0,
             ),
             (
-                "parking lot consistent with the inbox",
-                self.parking_problems.is_empty(),
+                "parking lot: the skipped steps only, consistent with the inbox",
+                lot == ids(&stream.skipped)
+                    && self.parking_copies == self.parked_copies.values().sum::<usize>()
+                    && d.extra_copies.is_empty()
+                    && self.parking_problems.is_empty(),
             ),
             (
                 "every published copy counted on its row (delivery_count)",
                 d.short.is_empty(),
             ),
+        ]
+    }
+
+    /// The checks of ordering: the journal, the retried, redriven and skipped heads.
+    fn ordering_checks(
+        &self,
+        stream: &OrderedStream,
+        operator: &Operator<'_>,
+    ) -> Vec<(&'static str, bool)> {
+        let j = &self.journal;
+        let owned = |steps: &[Step]| -> HashSet<String> {
+            steps.iter().map(|s| s.message_id.clone()).collect()
+        };
+        let skipped_steps: HashSet<(String, i64)> = stream
+            .skipped
+            .iter()
+            .map(|s| (s.order_id.clone(), s.step))
+            .collect();
+        let missing: HashSet<(String, i64)> = j.missing.iter().cloned().collect();
+        let refused: HashSet<&str> = ids(&stream.redriven)
+            .union(&ids(&stream.skipped))
+            .copied()
+            .collect();
+        vec![
             (
                 "every order's steps applied in their order (journal, commit order)",
                 j.out_of_order.is_empty(),
             ),
             (
-                "every step applied exactly once (journal)",
-                j.applied_twice == 0 && j.missing.is_empty() && j.unknown == 0,
+                "every step applied exactly once, the skipped ones never (journal)",
+                j.applied_twice == 0
+                    && j.unknown == 0
+                    && missing.len() == j.missing.len()
+                    && missing == skipped_steps,
             ),
             (
                 "every retry_once step failed, then applied on its retry",
                 self.failed_with(STEP_NOT_READY) == ids(&stream.retried),
             ),
             (
-                "every refused step parked as its order's head, then redriven and applied",
-                self.failed_with(STEP_REFUSED) == refused
-                    && redriven == refused
-                    && operator.not_heads.is_empty(),
+                "every refused step parked as its order's head",
+                self.failed_with(STEP_REFUSED) == refused && operator.not_heads.is_empty(),
+            ),
+            (
+                "the redriven steps: exactly the audited redrives, applied",
+                self.redriven == owned(&stream.redriven),
+            ),
+            (
+                "the skipped steps: exactly the audited skip_head rows",
+                self.skipped == owned(&stream.skipped),
             ),
             ("no other message parked", operator.unexpected.is_empty()),
         ]
@@ -729,17 +852,33 @@ impl Verdict {
         args: &ChaosArgs,
         scheduled: usize,
     ) -> bool {
-        let checks = self.checks(stream, w, stop_problems, operator, scheduled);
+        let mut checks = self.checks(stream, w, stop_problems, scheduled);
+        checks.extend(self.ordering_checks(stream, operator));
         self.figures(stream, w, operator, args);
         println!();
         for (name, pass) in &checks {
             println!("  [{}] {name}", if *pass { " ok " } else { "FAIL" });
         }
         let j = &self.journal;
+        let skipped: HashSet<(&str, i64)> = stream
+            .skipped
+            .iter()
+            .map(|s| (s.order_id.as_str(), s.step))
+            .collect();
+        let unapplied: Vec<String> = j
+            .missing
+            .iter()
+            .filter(|(order, step)| !skipped.contains(&(order.as_str(), *step)))
+            .map(|(order, step)| format!("{order} step {step}"))
+            .collect();
         let listed = [
             ("applied out of order", &j.out_of_order),
-            ("never applied", &j.missing),
+            ("never applied, not skipped", &unapplied),
             ("short of its published copies", &self.deliveries.short),
+            (
+                "parked with copies beyond its redeliveries",
+                &self.deliveries.extra_copies,
+            ),
         ];
         for problem in w
             .faults_failed
@@ -829,11 +968,20 @@ impl Verdict {
         );
         line(
             "parked heads, redriven during the run",
-            format!("{} of {}", self.redriven.len(), stream.refused.len()),
+            format!("{} of {}", self.redriven.len(), stream.redriven.len()),
         );
         line(
-            "redrives (cut short by a fault, retried)",
-            format!("{} ({})", operator.rounds, operator.failed_rounds.len()),
+            "parked heads, skipped during the run",
+            format!("{} of {}", self.skipped.len(), stream.skipped.len()),
+        );
+        line(
+            "redrives / skips (cut short by a fault, retried)",
+            format!(
+                "{} / {} ({})",
+                operator.rounds,
+                operator.skips,
+                operator.failed.len()
+            ),
         );
         let unplanned = self.unplanned_failures();
         line(
@@ -854,7 +1002,10 @@ impl Verdict {
             j.out_of_order.len().to_string(),
         );
         line("steps applied twice", j.applied_twice.to_string());
-        line("steps never applied", j.missing.len().to_string());
+        line(
+            "steps never applied (the skipped heads)",
+            j.missing.len().to_string(),
+        );
         line(
             "HELD rows / blocked keys left",
             format!("{} / {}", t.held, t.blocked_keys),
@@ -887,20 +1038,25 @@ async fn failures(
     Ok(failed)
 }
 
-/// Message ids whose parked row a redrive reopened (the audit trail).
-async fn redriven(pool: &sqlx::PgPool, schema: &SchemaName) -> anyhow::Result<HashSet<String>> {
+/// Message ids with an audited `action` (made `via` that operation, if given).
+async fn audited(
+    pool: &sqlx::PgPool,
+    schema: &SchemaName,
+    action: &str,
+    via: Option<&str>,
+) -> anyhow::Result<HashSet<String>> {
     let ids: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT DISTINCT message_id FROM {} WHERE consumer_name = $1 AND action = $2 \
-           AND details ->> 'via' = $3",
+           AND ($3::text IS NULL OR details ->> 'via' = $3)",
         schema.qualify("inbox_audit")
     )))
     .bind(order_service::CONSUMER_NAME)
-    .bind(inbox_ops::reopen::REOPEN)
-    .bind(inbox_ops::redrive::REDRIVE)
+    .bind(action)
+    .bind(via)
     .fetch_all(pool)
     .await
     .context("reading the audit trail")?;
-    Ok(ids.into_iter().collect())
+    Ok(ids.into_iter().filter(|id| !id.is_empty()).collect())
 }
 
 #[cfg(test)]
@@ -930,7 +1086,7 @@ mod tests {
 
         let gap = judged(&[1, 2, 4]);
         assert!(gap.out_of_order.is_empty());
-        assert_eq!(gap.missing, ["o step 3"]);
+        assert_eq!(gap.missing, [("o".to_owned(), 3)]);
 
         let stranger = judged(&[1, 2, 3, 4, 9]);
         assert_eq!(stranger.unknown, 1);
