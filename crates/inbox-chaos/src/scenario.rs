@@ -633,6 +633,14 @@ impl OrderedStream {
         for m in late {
             stream.push(m);
         }
+        stream.choose_failures(&mut rng, &step_of);
+        stream
+    }
+
+    /// Picks the steps that fail: some until retried, and a refused one in a few orders, to
+    /// be redriven or skipped by turns.
+    fn choose_failures(&mut self, rng: &mut StdRng, step_of: &dyn Fn(usize, i64) -> Step) {
+        let (orders, steps) = (self.orders.len(), self.steps);
         let mut refused: Vec<Step> = Vec::new();
         for k in 0..orders {
             let step = rng
@@ -643,27 +651,27 @@ impl OrderedStream {
             }
             for n in 1..=steps {
                 if Some(n) != step && rng.random_bool(RETRIED_SHARE) {
-                    stream.retried.push(step_of(k, n));
+                    self.retried.push(step_of(k, n));
                 }
             }
         }
         // One to redrive and one to skip, at least, in every stream that has room for them.
         for k in [0, orders.saturating_sub(1)] {
-            if refused.len() < orders.min(2) && !refused.iter().any(|r| r.order_id == order_ids[k])
+            if refused.len() < orders.min(2)
+                && !refused.iter().any(|r| r.order_id == self.orders[k])
             {
                 let s = step_of(k, (steps + 1) / 2);
-                stream.retried.retain(|r| *r != s);
+                self.retried.retain(|r| *r != s);
                 refused.push(s);
             }
         }
         for (i, s) in refused.into_iter().enumerate() {
             if i % 2 == 0 {
-                stream.redriven.push(s);
+                self.redriven.push(s);
             } else {
-                stream.skipped.push(s);
+                self.skipped.push(s);
             }
         }
-        stream
     }
 
     /// Distinct messages (each order's steps).
