@@ -48,6 +48,11 @@ const OPERATOR_EVERY: Duration = Duration::from_secs(1);
 /// Orders named per failed check of the journal.
 const SHOWN: usize = 5;
 
+/// How long the inbox and the queues may stay as they are, every fault run, before the run
+/// stops waiting for them to settle: three release timeouts, so a held row whose released copy
+/// was lost is published again twice meanwhile.
+const STUCK_AFTER: Duration = Duration::from_secs(90);
+
 /// Error code of a step failing until retried (`order_step_faults`: `retry_once`).
 const STEP_NOT_READY: &str = "step_not_ready";
 
@@ -215,6 +220,8 @@ struct Watched {
     faults_failed: Vec<String>,
     /// The most HELD rows seen at once.
     peak_held: i64,
+    /// Nothing changed for [`STUCK_AFTER`] before it settled.
+    stuck: bool,
 }
 
 impl Run<'_> {
@@ -236,6 +243,7 @@ impl Run<'_> {
         let began = Instant::now();
         let deadline = began + Duration::from_secs(fleet.args.timeout_secs);
         let mut last_line = Instant::now();
+        let mut last_change = (Tally::default(), Instant::now());
         loop {
             tokio::time::sleep(Duration::from_millis(200)).await;
             fleet.reap(&mut w.figures, &mut started_at)?;
@@ -271,11 +279,15 @@ impl Run<'_> {
                 last_line = Instant::now();
             }
             let (processed, parked) = (self.unique - self.skipped, self.skipped);
-            if !acted
-                && w.faults_run == self.plan.len()
-                && tally.settled(processed, parked, &depths)
-            {
+            let all_run = !acted && w.faults_run == self.plan.len();
+            if all_run && tally.settled(processed, parked, &depths) {
                 w.settled = true;
+                break;
+            }
+            if tally != last_change.0 || depths.work + depths.retry > 0 || !all_run {
+                last_change = (tally, Instant::now());
+            } else if last_change.1.elapsed() > STUCK_AFTER {
+                w.stuck = true;
                 break;
             }
             if Instant::now() > deadline {
@@ -303,7 +315,7 @@ impl Run<'_> {
 }
 
 /// The ordered consumer's inbox, counted.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Tally {
     processed: i64,
     held: i64,
@@ -673,6 +685,8 @@ struct Verdict {
     skipped: HashSet<String>,
     /// Inbox keys of the parking lot's copies, payload conflicts apart, with their copies.
     parked_copies: HashMap<String, usize>,
+    /// Rows not PROCESSED (the first few), with their status and last error code.
+    left: Vec<(String, String)>,
 }
 
 impl Verdict {
@@ -707,6 +721,7 @@ impl Verdict {
             redriven: audited(pool, schema, REOPEN, Some(REDRIVE)).await?,
             skipped: audited(pool, schema, SKIP_HEAD, None).await?,
             parked_copies: parking.copies_by_key(),
+            left: left_over(pool, schema).await?,
         })
     }
 }
@@ -859,6 +874,19 @@ impl Verdict {
         for (name, pass) in &checks {
             println!("  [{}] {name}", if *pass { " ok " } else { "FAIL" });
         }
+        self.problems(stream, w, stop_problems, operator);
+        println!();
+        checks.iter().all(|(_, pass)| *pass)
+    }
+
+    /// What the failed checks are about: the steps, rows and consumers concerned.
+    fn problems(
+        &self,
+        stream: &OrderedStream,
+        w: &Watched,
+        stop_problems: &[String],
+        operator: &Operator<'_>,
+    ) {
         let j = &self.journal;
         let skipped: HashSet<(&str, i64)> = stream
             .skipped
@@ -904,8 +932,20 @@ impl Verdict {
         for id in operator.not_heads.iter().take(SHOWN) {
             println!("  - refused step parked without blocking its order: {id}");
         }
-        println!();
-        checks.iter().all(|(_, pass)| *pass)
+        if w.stuck {
+            println!(
+                "  - nothing changed for {} s with every fault run: stopped waiting",
+                STUCK_AFTER.as_secs()
+            );
+        }
+        let skipped_ids = ids(&stream.skipped);
+        let left = self
+            .left
+            .iter()
+            .filter(|(id, _)| !skipped_ids.contains(id.as_str()));
+        for (id, status) in left.take(2 * SHOWN) {
+            println!("  - left {status}: {id}");
+        }
     }
 
     fn figures(
@@ -1011,6 +1051,33 @@ impl Verdict {
             format!("{} / {}", t.held, t.blocked_keys),
         );
     }
+}
+
+/// The first rows that are not PROCESSED, with their status and last error code.
+async fn left_over(
+    pool: &sqlx::PgPool,
+    schema: &SchemaName,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let rows = sqlx::query(AssertSqlSafe(format!(
+        "SELECT message_id, status, coalesce(last_error_code, '') AS code FROM {} \
+         WHERE consumer_name = $1 AND status <> '{}' ORDER BY message_id LIMIT 50",
+        schema.qualify(tables::MESSAGE_INBOX),
+        InboxStatus::Processed.as_str()
+    )))
+    .bind(order_service::CONSUMER_NAME)
+    .fetch_all(pool)
+    .await
+    .context("reading the rows left")?;
+    rows.iter()
+        .map(|r| {
+            let status: String = r.try_get("status")?;
+            let code: String = r.try_get("code")?;
+            Ok((
+                r.try_get("message_id")?,
+                format!("{status} {code}").trim_end().to_owned(),
+            ))
+        })
+        .collect()
 }
 
 /// Message ids with a recorded failed attempt, by error code (the inbox's history).
