@@ -1,7 +1,8 @@
 //! `inbox-bench`: measures, in one process against the local servers, the broker's ceiling,
 //! the textbook inbox recipe, and rabbit-inbox with a per-message and a batch handler, all on
 //! the same workload and the same business effect (one history row per message), and checks
-//! exactly-once after every run. `inbox-lab bench` is its command line.
+//! exactly-once after every run; the library modes also with per-key ordering on, to state its
+//! cost. `inbox-lab bench` is its command line.
 
 mod baseline;
 pub mod outbox;
@@ -15,7 +16,8 @@ use std::{
 };
 
 use rabbit_inbox::{
-    Consumer, ConsumerConfig, SchemaName, Topology, broker::Broker, stats::ConsumerStats,
+    Consumer, ConsumerConfig, SchemaName, Topology, broker::Broker, ordering::OrderingPolicy,
+    stats::ConsumerStats,
 };
 use serde::Serialize;
 use sqlx::PgPool;
@@ -66,6 +68,9 @@ pub struct BenchOptions {
     pub duplicate_share: f64,
     /// Share of unique messages the handlers refuse permanently (parked).
     pub failure_share: f64,
+    /// Aggregates the messages are spread over: message `seq` carries `x-aggregate-id`
+    /// `seq % keys` (0: no aggregate id; the ordered modes need one).
+    pub keys: usize,
     /// rabbit-inbox batch size (None: the library default).
     pub batch_size: Option<usize>,
     /// rabbit-inbox lanes (None: the library default).
@@ -84,7 +89,8 @@ pub struct BenchOptions {
     pub low_load_duration: Duration,
     /// Inbox sizes (rows already present) to measure the batch handler against, besides empty.
     pub prefill: Vec<u64>,
-    /// Which of `ceiling`, `textbook`, `per-message`, `batch` to run (empty: all).
+    /// Which of `ceiling`, `textbook`, `per-message`, `batch`, `per-message-ordered`,
+    /// `batch-ordered` to run (empty: the first four).
     pub modes: Vec<String>,
     /// PostgreSQL schema used (dropped and recreated for every run).
     pub schema: SchemaName,
@@ -110,6 +116,10 @@ pub struct ModeResult {
     pub peak_rss_mb: f64,
     /// Exactly-once check from the database (None where no database is involved).
     pub exactly_once: Option<bool>,
+    /// Ordered modes: messages left HELD behind a failed message of their key (median of the
+    /// runs; nothing releases them in a benchmark).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub held: Option<u64>,
     /// Where the CPU went: milliseconds per 1000 messages (median of the runs), PostgreSQL
     /// backends that exited during the run included.
     pub cpu_ms_per_1k: CpuShare,
@@ -133,30 +143,58 @@ pub struct Prefilled {
     pub ratio_vs_empty: f64,
 }
 
+/// What per-key ordering costs a library mode: its ordered figures over those of the same
+/// consumer without ordering, measured in the same rounds.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct OrderingCost {
+    /// Ordered msgs/s over unordered msgs/s.
+    pub rate_ratio: f64,
+    /// Ordered CPU ms per 1,000 messages (consumer, PostgreSQL and RabbitMQ) over unordered.
+    pub cpu_ratio: f64,
+    /// Messages the ordered runs left HELD behind a failed message of their key (median).
+    pub held: u64,
+}
+
 /// All figures of a benchmark.
 #[derive(Clone, Debug, Default)]
 pub struct BenchReport {
     /// The options' summary line.
     pub setup: String,
-    /// Ceiling, textbook, per-message, batch, then low-load and prefilled runs.
+    /// Ceiling, textbook, per-message (and ordered), batch (and ordered), then prefilled and
+    /// low-load runs.
     pub modes: Vec<ModeResult>,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
     Ceiling,
     Textbook,
     PerMessage,
+    PerMessageOrdered,
     Batch,
+    BatchOrdered,
 }
 
 impl Mode {
+    /// In the order they run within a round; an ordered mode right after its twin, so both
+    /// meet the same moment of a noisy machine.
+    const ALL: [Mode; 6] = [
+        Mode::Ceiling,
+        Mode::Textbook,
+        Mode::PerMessage,
+        Mode::PerMessageOrdered,
+        Mode::Batch,
+        Mode::BatchOrdered,
+    ];
+
     fn name(self) -> &'static str {
         match self {
             Mode::Ceiling => "broker ceiling (consume + multiple-ack, no db)",
             Mode::Textbook => "textbook inbox (1 tx + 1 ack per message)",
             Mode::PerMessage => "rabbit-inbox, per-message handler",
+            Mode::PerMessageOrdered => "rabbit-inbox, per-message handler, ordered by aggregate",
             Mode::Batch => "rabbit-inbox, batch handler",
+            Mode::BatchOrdered => "rabbit-inbox, batch handler, ordered by aggregate",
         }
     }
 
@@ -165,8 +203,54 @@ impl Mode {
             Mode::Ceiling => "ceiling",
             Mode::Textbook => "textbook",
             Mode::PerMessage => "per-message",
+            Mode::PerMessageOrdered => "per-message-ordered",
             Mode::Batch => "batch",
+            Mode::BatchOrdered => "batch-ordered",
         }
+    }
+
+    /// The consumer runs with `OrderingPolicy::by_aggregate()`.
+    fn ordered(self) -> bool {
+        matches!(self, Mode::PerMessageOrdered | Mode::BatchOrdered)
+    }
+
+    /// The same consumer without ordering, for an ordered mode.
+    fn unordered_twin(self) -> Option<Mode> {
+        match self {
+            Mode::PerMessageOrdered => Some(Mode::PerMessage),
+            Mode::BatchOrdered => Some(Mode::Batch),
+            _ => None,
+        }
+    }
+
+    /// The modes `options.modes` names (none named: the four unordered ones).
+    fn selected(options: &BenchOptions) -> Result<Vec<Mode>, BenchError> {
+        if let Some(unknown) = options
+            .modes
+            .iter()
+            .find(|s| !Mode::ALL.iter().any(|m| m.slug() == s.as_str()))
+        {
+            return Err(BenchError::Invalid(format!(
+                "unknown mode {unknown}: --modes takes ceiling, textbook, per-message, batch, \
+                 per-message-ordered and batch-ordered"
+            )));
+        }
+        let modes: Vec<Mode> = Mode::ALL
+            .into_iter()
+            .filter(|m| {
+                if options.modes.is_empty() {
+                    !m.ordered()
+                } else {
+                    options.modes.iter().any(|s| s == m.slug())
+                }
+            })
+            .collect();
+        if modes.iter().any(|m| m.ordered()) && options.keys == 0 {
+            return Err(BenchError::Invalid(
+                "the ordered modes order by aggregate: set --keys above 0".into(),
+            ));
+        }
+        Ok(modes)
     }
 }
 
@@ -186,6 +270,8 @@ struct Run {
     p99: Duration,
     peak_rss_mb: f64,
     exactly_once: Option<bool>,
+    /// Inbox rows left HELD (ordered modes).
+    held: Option<u64>,
 }
 
 /// Runs the benchmark. `progress` gets one line per finished run.
@@ -198,37 +284,18 @@ pub async fn run(
     if options.messages < 10 {
         return Err(BenchError::Invalid("use at least 10 messages".into()));
     }
-    let broker = Broker::connect(amqp_url, "inbox-bench").await?;
-    let library = library_config(options);
-    let mut report = BenchReport {
-        setup: format!(
-            "{} messages of {} bytes, {:.0}% duplicates, {:.1}% failing; {} queues; rabbit-inbox batch {} x {} lanes, \
-             prefetch {}; ceiling prefetch {}, ack every {}; median of {} run(s)",
-            options.messages,
-            options.payload_size,
-            options.duplicate_share * 100.0,
-            options.failure_share * 100.0,
-            if options.quorum { "quorum" } else { "classic" },
-            library.batch_size,
-            library.lanes,
-            library.prefetch,
-            options.ceiling_prefetch,
-            options.ceiling_ack_every,
-            options.runs.max(1)
-        ),
-        modes: Vec::new(),
-    };
-    let mut all: Vec<(Mode, Vec<Run>)> =
-        [Mode::Ceiling, Mode::Textbook, Mode::PerMessage, Mode::Batch]
-            .into_iter()
-            .filter(|m| options.modes.is_empty() || options.modes.iter().any(|s| s == m.slug()))
-            .map(|m| (m, Vec::new()))
-            .collect();
-    if all.is_empty() {
+    let modes = Mode::selected(options)?;
+    if modes.is_empty() {
         return Err(BenchError::Invalid(
-            "--modes takes ceiling, textbook, per-message and batch".into(),
+            "--modes names no mode of this benchmark".into(),
         ));
     }
+    let broker = Broker::connect(amqp_url, "inbox-bench").await?;
+    let mut report = BenchReport {
+        setup: setup_line(options),
+        modes: Vec::new(),
+    };
+    let mut all: Vec<(Mode, Vec<Run>)> = modes.into_iter().map(|m| (m, Vec::new())).collect();
     for round in 0..options.runs.max(1) {
         // Interleaved, so drift on a noisy machine hits every mode alike.
         for (mode, runs) in &mut all {
@@ -237,15 +304,17 @@ pub async fn run(
                 options.payload_size,
                 options.duplicate_share,
                 options.failure_share,
+                options.keys,
                 round as u64 + 1,
             );
             let target = Target::Fresh(&options.schema);
             let run = run_once(amqp_url, pool, &broker, options, *mode, &workload, target).await?;
             progress(&format!(
-                "  run {}: {:<48} {:>9.0} msgs/s",
+                "  run {}: {:<56} {:>9.0} msgs/s{}",
                 round + 1,
                 mode.name(),
-                options.messages as f64 / run.elapsed.as_secs_f64()
+                options.messages as f64 / run.elapsed.as_secs_f64(),
+                run.held.map_or(String::new(), |n| format!(", {n} held"))
             ));
             runs.push(run);
         }
@@ -269,6 +338,7 @@ pub async fn run(
                 options.payload_size,
                 options.duplicate_share,
                 options.failure_share,
+                options.keys,
                 0x100 + round as u64,
             );
             let empty = Target::Fresh(&options.schema);
@@ -343,6 +413,32 @@ pub async fn run(
     Ok(report)
 }
 
+/// The options' summary line.
+fn setup_line(options: &BenchOptions) -> String {
+    let library = library_config(options);
+    format!(
+        "{} messages of {} bytes, {:.0}% duplicates, {:.1}% failing, {}; {} queues; \
+         rabbit-inbox batch {} x {} lanes, prefetch {}; ceiling prefetch {}, ack every {}; \
+         median of {} run(s)",
+        options.messages,
+        options.payload_size,
+        options.duplicate_share * 100.0,
+        options.failure_share * 100.0,
+        if options.keys > 0 {
+            format!("{} aggregates", options.keys)
+        } else {
+            "no aggregate ids".to_owned()
+        },
+        if options.quorum { "quorum" } else { "classic" },
+        library.batch_size,
+        library.lanes,
+        library.prefetch,
+        options.ceiling_prefetch,
+        options.ceiling_ack_every,
+        options.runs.max(1)
+    )
+}
+
 fn library_config(options: &BenchOptions) -> ConsumerConfig {
     let mut config = ConsumerConfig::new(workload::CONSUMER, Topology::new("unused"));
     if let Some(b) = options.batch_size {
@@ -395,14 +491,8 @@ async fn run_once(
         }
     };
     let topology = fresh_topology(broker, options, mode.slug()).await?;
-    let batch: Vec<(&str, &rabbit_inbox::broker::OutgoingMessage)> = workload
-        .messages
-        .iter()
-        .map(|m| (topology.queue.as_str(), m))
-        .collect();
-    broker.publish_batch("", &batch).await?;
-    let count = workload.messages.len();
-    let timeout = Duration::from_secs(600);
+    publish(broker, &topology.queue, workload).await?;
+    let count = workload.len();
 
     procfs::reset_peak();
     let cpu_before = procfs::CpuTicks::now();
@@ -436,24 +526,14 @@ async fn run_once(
             .await?;
             (h.value_at_quantile(0.5), h.value_at_quantile(0.99))
         }
-        Mode::PerMessage | Mode::Batch => {
+        Mode::PerMessage | Mode::PerMessageOrdered | Mode::Batch | Mode::BatchOrdered => {
             let mut config = library_config(options);
             config.schema = schema.clone();
             config.topology = topology.clone();
-            let history = History::new(schema);
-            let stats = if mode == Mode::PerMessage {
-                let c = Consumer::new(amqp_url, pool.clone(), config, PerMessageEffect(history))?;
-                drive(c, count as u64, timeout, mode.name()).await?
-            } else {
-                let c = Consumer::with_batch_handler(
-                    amqp_url,
-                    pool.clone(),
-                    config,
-                    BatchEffect(history),
-                )?;
-                drive(c, count as u64, timeout, mode.name()).await?
-            };
-            let s = stats.snapshot();
+            if mode.ordered() {
+                config.ordering = Some(OrderingPolicy::by_aggregate());
+            }
+            let s = library(amqp_url, pool, config, mode, count as u64).await?;
             (
                 s.latency_p50.as_micros() as u64,
                 s.latency_p99.as_micros() as u64,
@@ -463,9 +543,9 @@ async fn run_once(
     let elapsed = started.elapsed();
     let cpu = procfs::CpuTicks::now().per_thousand(cpu_before, count);
     let peak_rss_mb = procfs::peak_mb();
-    let exactly_once = match mode {
+    let check = match mode {
         Mode::Ceiling => None,
-        _ => Some(workload::exactly_once(pool, schema, workload).await?),
+        _ => Some(verified(pool, schema, workload, mode.ordered()).await?),
     };
     broker
         .delete(&topology, &library_config(options).retry)
@@ -476,8 +556,67 @@ async fn run_once(
         p50: Duration::from_micros(p50),
         p99: Duration::from_micros(p99),
         peak_rss_mb,
-        exactly_once,
+        exactly_once: check.map(|c| c.passed()),
+        held: check
+            .filter(|_| mode.ordered())
+            .map(|c| u64::try_from(c.held).unwrap_or_default()),
     })
+}
+
+/// Publishes the workload to `queue`, in chunks: a delivery with its headers lives only while
+/// it is published.
+async fn publish(broker: &Broker, queue: &str, workload: &Workload) -> Result<(), BenchError> {
+    let indexes: Vec<usize> = (0..workload.len()).collect();
+    for chunk in indexes.chunks(2000) {
+        let messages: Vec<_> = chunk.iter().map(|&i| workload.delivery(i)).collect();
+        let batch: Vec<(&str, &rabbit_inbox::broker::OutgoingMessage)> =
+            messages.iter().map(|m| (queue, m)).collect();
+        broker.publish_batch("", &batch).await?;
+    }
+    Ok(())
+}
+
+/// Runs a library mode's consumer over `count` deliveries: per message or batch, with
+/// `config` (ordered or not).
+async fn library(
+    amqp_url: &str,
+    pool: &PgPool,
+    config: ConsumerConfig,
+    mode: Mode,
+    count: u64,
+) -> Result<rabbit_inbox::stats::StatsSnapshot, BenchError> {
+    let timeout = Duration::from_secs(600);
+    let history = History::new(&config.schema);
+    let stats = match mode {
+        Mode::PerMessage | Mode::PerMessageOrdered => {
+            let c = Consumer::new(amqp_url, pool.clone(), config, PerMessageEffect(history))?;
+            drive(c, count, timeout, mode.name()).await?
+        }
+        _ => {
+            let c =
+                Consumer::with_batch_handler(amqp_url, pool.clone(), config, BatchEffect(history))?;
+            drive(c, count, timeout, mode.name()).await?
+        }
+    };
+    Ok(stats.snapshot())
+}
+
+/// The exactly-once check of a run; a failed one is logged with what went wrong.
+async fn verified(
+    pool: &PgPool,
+    schema: &SchemaName,
+    workload: &Workload,
+    ordered: bool,
+) -> Result<workload::Check, BenchError> {
+    let check = workload::check(pool, schema, workload, ordered).await?;
+    if !check.passed() {
+        tracing::error!(
+            "exactly-once check failed in schema {schema}{}: {check}; the counts name the \
+             broken rule, and RUST_LOG=rabbit_inbox=debug shows the consumer's decisions",
+            if ordered { " (ordered)" } else { "" }
+        );
+    }
+    Ok(check)
 }
 
 /// Runs a library consumer until `count` deliveries are settled, then stops it.
@@ -523,7 +662,7 @@ async fn low_load(
     let topology = fresh_topology(broker, options, "low-load").await?;
     let count = (f64::from(options.low_load_rate) * options.low_load_duration.as_secs_f64())
         .max(1.0) as usize;
-    let workload = Workload::new(count, options.payload_size, 0.0, 0.0, 7);
+    let workload = Workload::new(count, options.payload_size, 0.0, 0.0, options.keys, 7);
     let mut config = library_config(options);
     config.schema = schema.clone();
     config.topology = topology.clone();
@@ -541,9 +680,11 @@ async fn low_load(
     procfs::reset_peak();
     let interval = Duration::from_secs_f64(1.0 / f64::from(options.low_load_rate));
     let mut ticker = tokio::time::interval(interval);
-    for m in &workload.messages {
+    for index in 0..workload.len() {
         ticker.tick().await;
-        broker.publish("", &topology.queue, m).await?;
+        broker
+            .publish("", &topology.queue, &workload.delivery(index))
+            .await?;
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     while stats.settled() < count as u64 && Instant::now() < deadline {
@@ -552,7 +693,7 @@ async fn low_load(
     let _ = stop.send(());
     let _ = task.await;
     let s = stats.snapshot();
-    let exactly_once = workload::exactly_once(pool, schema, &workload).await?;
+    let exactly_once = verified(pool, schema, &workload, false).await?.passed();
     broker
         .delete(&topology, &library_config(options).retry)
         .await?;
@@ -566,6 +707,7 @@ async fn low_load(
         p99_ms: ms(s.latency_p99),
         peak_rss_mb: procfs::peak_mb(),
         exactly_once: Some(exactly_once && s.latency_samples >= count as u64),
+        held: None,
         cpu_ms_per_1k: CpuShare::default(),
         cores_busy: 0.0,
         prefilled: None,
@@ -600,6 +742,11 @@ fn summarize(mode: String, messages: usize, runs: Vec<Run>) -> ModeResult {
             .iter()
             .map(|r| r.exactly_once)
             .try_fold(true, |acc, e| e.map(|e| acc && e)),
+        held: runs
+            .iter()
+            .map(|r| r.held.map(|n| n as f64))
+            .collect::<Option<Vec<f64>>>()
+            .map(|held| median(held) as u64),
         cpu_ms_per_1k: CpuShare::new(
             median(runs.iter().map(|r| r.cpu.consumer).collect()),
             median(runs.iter().map(|r| r.cpu.postgres).collect()),
@@ -624,6 +771,46 @@ impl BenchReport {
 
     fn rate(&self, mode: Mode) -> f64 {
         self.find(mode.name()).map_or(0.0, |m| m.msgs_per_s)
+    }
+
+    /// What ordering costs the ordered mode `ordered`: None unless it and its twin ran.
+    fn ordering_cost(&self, ordered: Mode) -> Option<OrderingCost> {
+        let with = self.find(ordered.name())?;
+        let without = self.find(ordered.unordered_twin()?.name())?;
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        Some(OrderingCost {
+            rate_ratio: ratio(with.msgs_per_s, without.msgs_per_s),
+            cpu_ratio: ratio(with.cpu_ms_per_1k.total, without.cpu_ms_per_1k.total),
+            held: with.held.unwrap_or_default(),
+        })
+    }
+
+    /// The ordering cost lines, when an ordered mode ran.
+    fn write_ordering_cost(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let costs = [Mode::PerMessageOrdered, Mode::BatchOrdered].map(|m| self.ordering_cost(m));
+        if costs.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        let [per_message, batch] = costs.map(|c| {
+            c.map_or(("-".into(), "-".into(), "-".into()), |c| {
+                (
+                    format!("{:.2}", c.rate_ratio),
+                    format!("{:.2}", c.cpu_ratio),
+                    c.held.to_string(),
+                )
+            })
+        });
+        writeln!(
+            f,
+            "ordering cost: per-message {} of unordered rate, batch {}; CPU per 1,000 messages: \
+             per-message {} of unordered, batch {}",
+            per_message.0, batch.0, per_message.1, batch.1
+        )?;
+        writeln!(
+            f,
+            "held behind a failed message of their key (median per run): per-message {}, batch {}",
+            per_message.2, batch.2
+        )
     }
 
     /// Whether every database-backed run passed its exactly-once check.
@@ -652,6 +839,10 @@ impl BenchReport {
             "peak_rss_mb": self.modes.iter().map(|m| m.peak_rss_mb).fold(0.0, f64::max),
             "exactly_once": self.exactly_once(),
             "prefilled": self.modes.iter().filter_map(|m| m.prefilled.as_ref()).collect::<Vec<_>>(),
+            "ordering_cost": {
+                "per_message": self.ordering_cost(Mode::PerMessageOrdered),
+                "batch": self.ordering_cost(Mode::BatchOrdered),
+            },
             "modes": self.modes,
         })
     }
@@ -727,6 +918,6 @@ impl fmt::Display for BenchReport {
                 }
             )?;
         }
-        Ok(())
+        self.write_ordering_cost(f)
     }
 }

@@ -2,9 +2,8 @@
 //! exactly-once check.
 
 use rabbit_inbox::{
-    BatchError, BatchHandler, Handler, HandlerError, InboxMessage, SchemaName,
-    broker::OutgoingMessage,
-    ledger_sql::{PERMANENT_FAILED, PROCESSED},
+    BatchError, BatchHandler, Handler, HandlerError, InboxMessage, InboxStatus, SchemaName,
+    broker::OutgoingMessage, envelope::AGGREGATE_ID_HEADER, ledger_sql::PROCESSED,
 };
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use serde_json::json;
@@ -14,12 +13,41 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool, SqlSafeStr, SqlStr};
 pub(crate) const CONSUMER: &str = "bench";
 
 pub(crate) struct Workload {
-    pub(crate) messages: Vec<OutgoingMessage>,
+    /// The deliveries in order, without their aggregate id: [`Workload::delivery`] adds it
+    /// while publishing, so that the harness holds no more memory during a run than without.
+    messages: Vec<OutgoingMessage>,
+    /// The seq of each delivery (a duplicate repeats its original's).
+    seqs: Vec<usize>,
     pub(crate) unique: usize,
-    /// Unique messages marked to fail permanently (`"fail": true`).
-    pub(crate) failing: usize,
+    /// Every `fail_every`-th unique message (by seq, from 0) is marked to fail permanently
+    /// (`"fail": true`); `None`: none is.
+    fail_every: Option<usize>,
+    /// Aggregates the messages are spread over (`x-aggregate-id` = seq % keys); 0: no
+    /// aggregate id.
+    keys: usize,
     /// What every message id of this workload starts with (ids differ between seeds).
     pub(crate) id_prefix: String,
+}
+
+/// What should become of one unique message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Expected {
+    /// Its effect applied once, its row PROCESSED.
+    Applied,
+    /// Refused by the handler: no effect, its row PERMANENT_FAILED.
+    Failed,
+    /// Behind a failed message of its key (ordered consumers): no effect, its row HELD.
+    Held,
+}
+
+impl Expected {
+    fn status(self) -> InboxStatus {
+        match self {
+            Expected::Applied => InboxStatus::Processed,
+            Expected::Failed => InboxStatus::PermanentFailed,
+            Expected::Held => InboxStatus::Held,
+        }
+    }
 }
 
 impl Workload {
@@ -27,30 +55,25 @@ impl Workload {
     /// earlier message (same id, same body) at a random later position.
     /// A `failure_share` of the unique messages carry `"fail": true`, which the handlers
     /// refuse permanently (spread evenly, to measure the cost of re-running a batch).
+    /// Message `seq` belongs to aggregate `seq % keys` (header `x-aggregate-id`; none when
+    /// `keys` is 0).
     pub(crate) fn new(
         count: usize,
         payload_size: usize,
         duplicate_share: f64,
         failure_share: f64,
+        keys: usize,
         seed: u64,
     ) -> Self {
         let mut rng = StdRng::seed_from_u64(seed);
         let duplicates = ((count as f64) * duplicate_share.clamp(0.0, 0.9)).round() as usize;
         let unique = count - duplicates;
-        let every = if failure_share > 0.0 {
-            (1.0 / failure_share).round().max(1.0) as usize
-        } else {
-            usize::MAX
-        };
-        let failing = if every == usize::MAX {
-            0
-        } else {
-            unique.div_ceil(every)
-        };
+        let fail_every =
+            (failure_share > 0.0).then(|| (1.0 / failure_share).round().max(1.0) as usize);
         let originals: Vec<OutgoingMessage> = (0..unique)
             .map(|seq| {
                 let id = format!("{seed:x}-{seq}");
-                let fail = every != usize::MAX && seq % every == 0;
+                let fail = fail_every.is_some_and(|every| seq % every == 0);
                 let body = json!({"seq": seq, "id": id, "fail": fail, "pad": ""}).to_string();
                 let pad = "x".repeat(payload_size.saturating_sub(body.len()));
                 OutgoingMessage {
@@ -64,24 +87,69 @@ impl Workload {
             })
             .collect();
         // Originals keep their order; each duplicate lands somewhere after its original.
-        let mut keyed: Vec<(f64, &OutgoingMessage)> = originals
-            .iter()
-            .enumerate()
-            .map(|(i, m)| (i as f64, m))
-            .collect();
+        let mut keyed: Vec<(f64, usize)> = (0..unique).map(|seq| (seq as f64, seq)).collect();
         for _ in 0..duplicates {
             let original = rng.random_range(0..unique.max(1));
             let at = rng.random_range(original as f64 + 0.5..unique as f64 + 0.5);
-            keyed.push((at, &originals[original]));
+            keyed.push((at, original));
         }
         keyed.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let out = keyed.into_iter().map(|(_, m)| m.clone()).collect();
+        let seqs: Vec<usize> = keyed.into_iter().map(|(_, seq)| seq).collect();
+        let messages = seqs.iter().map(|&seq| originals[seq].clone()).collect();
         Self {
-            messages: out,
+            messages,
+            seqs,
             unique,
-            failing,
+            fail_every,
+            keys,
             id_prefix: format!("{seed:x}-"),
         }
+    }
+
+    /// Deliveries in the workload.
+    pub(crate) fn len(&self) -> usize {
+        self.messages.len()
+    }
+
+    /// Delivery `index` as published: with its `x-aggregate-id`, when the workload has keys.
+    pub(crate) fn delivery(&self, index: usize) -> OutgoingMessage {
+        let mut message = self.messages[index].clone();
+        if self.keys > 0 {
+            let key = self.seqs[index] % self.keys;
+            message
+                .headers
+                .insert(AGGREGATE_ID_HEADER.into(), json!(key.to_string()));
+        }
+        message
+    }
+
+    /// The id of unique message `seq`.
+    fn id_of(&self, seq: usize) -> String {
+        format!("{}{seq}", self.id_prefix)
+    }
+
+    /// What should become of each unique message, by seq. Unordered, every message marked
+    /// to fail is refused and every other applied. `ordered` (by aggregate): a key's first
+    /// refused message blocks it, and every later message of that key is held, marked to fail
+    /// or not (nothing releases them in a benchmark).
+    pub(crate) fn expected(&self, ordered: bool) -> Vec<Expected> {
+        let mut blocked = vec![false; self.keys];
+        (0..self.unique)
+            .map(|seq| {
+                let key = (self.keys > 0).then(|| seq % self.keys);
+                let blocked = key.filter(|_| ordered).map(|k| &mut blocked[k]);
+                let fail = self.fail_every.is_some_and(|every| seq % every == 0);
+                match (blocked, fail) {
+                    (Some(blocked), _) if *blocked => Expected::Held,
+                    (Some(blocked), true) => {
+                        *blocked = true;
+                        Expected::Failed
+                    }
+                    (None, true) => Expected::Failed,
+                    (_, false) => Expected::Applied,
+                }
+            })
+            .collect()
     }
 }
 
@@ -207,32 +275,121 @@ pub(crate) async fn reset_history(pool: &PgPool, schema: &SchemaName) -> Result<
     Ok(())
 }
 
-/// Every unique message that should succeed applied exactly once and PROCESSED; every one
-/// marked to fail PERMANENT_FAILED with no effect.
-pub(crate) async fn exactly_once(
+/// What the database says of one run's messages, against what should have become of them
+/// ([`Workload::expected`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Check {
+    /// Messages whose effect was applied more than once.
+    applied_twice: i64,
+    /// Messages to apply whose effect is missing.
+    missing: i64,
+    /// Messages applied although an earlier message of their key had failed (ordered runs:
+    /// an applied seq above its key's first failing seq).
+    applied_behind_failure: i64,
+    /// Messages marked to fail whose effect was applied.
+    applied_failing: i64,
+    /// Effects of no message of this run.
+    stray: i64,
+    /// Messages whose inbox row is missing or has another status than expected.
+    wrong_status: i64,
+    /// Inbox rows left HELD.
+    pub(crate) held: i64,
+}
+
+impl Check {
+    /// Exactly-once held: every count but `held` is zero.
+    pub(crate) fn passed(&self) -> bool {
+        [
+            self.applied_twice,
+            self.missing,
+            self.applied_behind_failure,
+            self.applied_failing,
+            self.stray,
+            self.wrong_status,
+        ]
+        .iter()
+        .all(|&n| n == 0)
+    }
+}
+
+impl std::fmt::Display for Check {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} applied twice, {} not applied, {} applied behind a failure of their key, \
+             {} applied though marked to fail, {} effects of unknown messages, \
+             {} inbox rows missing or in the wrong status, {} held",
+            self.applied_twice,
+            self.missing,
+            self.applied_behind_failure,
+            self.applied_failing,
+            self.stray,
+            self.wrong_status,
+            self.held
+        )
+    }
+}
+
+/// Checks every unique message of `workload` against what should have become of it
+/// (`ordered`: behind its key's first failure it is held): effects from the history table,
+/// statuses from the inbox.
+pub(crate) async fn check(
     pool: &PgPool,
     schema: &SchemaName,
     workload: &Workload,
-) -> Result<bool, sqlx::Error> {
-    let (rows, distinct, processed, failed): (i64, i64, i64, i64) =
-        sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT (SELECT count(*) FROM \"{schema}\".bench_history), \
-                (SELECT count(DISTINCT message_id) FROM \"{schema}\".bench_history), \
-                (SELECT count(*) FROM \"{schema}\".message_inbox \
-                   WHERE consumer_name = $1 AND status = {PROCESSED} AND message_id LIKE $2), \
-                (SELECT count(*) FROM \"{schema}\".message_inbox \
-                   WHERE consumer_name = $1 AND status = {PERMANENT_FAILED} \
-                     AND message_id LIKE $2)"
-        )))
-        .bind(CONSUMER)
-        .bind(format!("{}%", workload.id_prefix))
-        .fetch_one(pool)
-        .await?;
-    let applied = (workload.unique - workload.failing) as i64;
-    Ok(rows == applied
-        && distinct == applied
-        && processed == applied
-        && failed == workload.failing as i64)
+    ordered: bool,
+) -> Result<Check, sqlx::Error> {
+    let expected = workload.expected(ordered);
+    let ids: Vec<String> = (0..expected.len()).map(|seq| workload.id_of(seq)).collect();
+    let statuses: Vec<&str> = expected.iter().map(|e| e.status().as_str()).collect();
+    let (applied, held, failed) = (
+        InboxStatus::Processed.as_str(),
+        InboxStatus::Held.as_str(),
+        InboxStatus::PermanentFailed.as_str(),
+    );
+    let counts: (i64, i64, i64, i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        "WITH expected AS (SELECT * FROM UNNEST($2::text[], $3::text[]) AS e(message_id, status)), \
+           applied AS (SELECT message_id, count(*) AS n FROM \"{schema}\".bench_history \
+                       GROUP BY message_id) \
+         SELECT (SELECT count(*) FROM applied WHERE n > 1), \
+           (SELECT count(*) FROM expected e WHERE e.status = '{applied}' \
+              AND NOT EXISTS (SELECT 1 FROM applied a WHERE a.message_id = e.message_id)), \
+           (SELECT count(*) FROM expected e JOIN applied a USING (message_id) \
+              WHERE e.status = '{held}'), \
+           (SELECT count(*) FROM expected e JOIN applied a USING (message_id) \
+              WHERE e.status = '{failed}'), \
+           (SELECT count(*) FROM applied a \
+              WHERE NOT EXISTS (SELECT 1 FROM expected e WHERE e.message_id = a.message_id)), \
+           (SELECT count(*) FROM expected e LEFT JOIN \"{schema}\".message_inbox m \
+              ON m.consumer_name = $1 AND m.message_id = e.message_id \
+              WHERE m.status IS DISTINCT FROM e.status), \
+           (SELECT count(*) FROM \"{schema}\".message_inbox \
+              WHERE consumer_name = $1 AND status = '{held}' AND message_id LIKE $4)"
+    )))
+    .bind(CONSUMER)
+    .bind(&ids)
+    .bind(&statuses)
+    .bind(format!("{}%", workload.id_prefix))
+    .fetch_one(pool)
+    .await?;
+    let (
+        applied_twice,
+        missing,
+        applied_behind_failure,
+        applied_failing,
+        stray,
+        wrong_status,
+        held,
+    ) = counts;
+    Ok(Check {
+        applied_twice,
+        missing,
+        applied_behind_failure,
+        applied_failing,
+        stray,
+        wrong_status,
+        held,
+    })
 }
 
 /// Fills the inbox with `rows` old PROCESSED rows of the same consumer, in chunks.
@@ -278,11 +435,11 @@ mod tests {
 
     #[test]
     fn duplicates_follow_their_original() {
-        let w = Workload::new(1000, 320, 0.1, 0.0, 3);
-        assert_eq!(w.messages.len(), 1000);
+        let w = Workload::new(1000, 320, 0.1, 0.0, 0, 3);
+        assert_eq!(w.len(), 1000);
         assert_eq!(w.unique, 900);
         let mut seen = std::collections::HashSet::new();
-        for m in &w.messages {
+        for (index, m) in w.messages.iter().enumerate() {
             let seq = serde_json::from_slice::<serde_json::Value>(&m.body).expect("json")["seq"]
                 .as_u64()
                 .expect("seq");
@@ -290,9 +447,65 @@ mod tests {
             if seen.insert(seq) {
                 assert_eq!(seq as usize, seen.len() - 1, "original out of order");
             }
+            assert_eq!(w.seqs[index], seq as usize);
+            assert!(
+                w.delivery(index).headers.is_empty(),
+                "keys 0: no aggregate id"
+            );
         }
         assert_eq!(seen.len(), 900);
         let size = w.messages[0].body.len();
         assert!((320..340).contains(&size), "{size}");
+    }
+
+    #[test]
+    fn every_delivery_names_its_aggregate() {
+        let w = Workload::new(500, 320, 0.2, 0.0, 7, 1);
+        for index in 0..w.len() {
+            let m = w.delivery(index);
+            let seq = serde_json::from_slice::<serde_json::Value>(&m.body).expect("json")["seq"]
+                .as_u64()
+                .expect("seq") as usize;
+            assert_eq!(m.headers[AGGREGATE_ID_HEADER], json!((seq % 7).to_string()));
+        }
+    }
+
+    #[test]
+    fn unordered_only_the_marked_messages_fail() {
+        let w = Workload::new(100, 320, 0.0, 0.1, 7, 1);
+        let expected = w.expected(false);
+        for (seq, e) in expected.iter().enumerate() {
+            let want = if seq % 10 == 0 {
+                Expected::Failed
+            } else {
+                Expected::Applied
+            };
+            assert_eq!(*e, want, "seq {seq}");
+        }
+    }
+
+    #[test]
+    fn ordered_a_keys_first_failure_holds_the_rest_of_the_key() {
+        let (keys, count) = (7, 200);
+        let w = Workload::new(count, 320, 0.0, 0.1, keys, 1);
+        let expected = w.expected(true);
+        for key in 0..keys {
+            // 7 and 10 are coprime: every key has a failing message among its first ten.
+            let first_fail = (key..count)
+                .step_by(keys)
+                .find(|s| s % 10 == 0)
+                .expect("fails");
+            for seq in (key..count).step_by(keys) {
+                let want = match seq.cmp(&first_fail) {
+                    std::cmp::Ordering::Less => Expected::Applied,
+                    std::cmp::Ordering::Equal => Expected::Failed,
+                    std::cmp::Ordering::Greater => Expected::Held,
+                };
+                assert_eq!(expected[seq], want, "key {key} seq {seq}");
+            }
+        }
+        // Without failures nothing is held.
+        let clean = Workload::new(count, 320, 0.0, 0.0, keys, 1).expected(true);
+        assert!(clean.iter().all(|e| *e == Expected::Applied));
     }
 }

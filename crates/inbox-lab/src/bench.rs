@@ -22,6 +22,11 @@ pub(crate) struct BenchArgs {
     /// shows what failing messages cost (the batch handler names them all at once).
     #[arg(long, default_value_t = 0.0)]
     failures: f64,
+    /// Aggregates the messages are spread over: message n carries `x-aggregate-id` n modulo
+    /// this, the key of the ordered modes. A prime, so that evenly spread failing messages
+    /// (every 10th at 0.1) hit every key; 0 sends no aggregate id (no ordered modes then).
+    #[arg(long, default_value_t = 997)]
+    keys: usize,
     /// rabbit-inbox batch size (default: the library's).
     #[arg(long)]
     batch_size: Option<usize>,
@@ -50,9 +55,12 @@ pub(crate) struct BenchArgs {
     /// (repeatable, e.g. --prefill 1000000 --prefill 10000000).
     #[arg(long)]
     prefill: Vec<u64>,
-    /// Modes to run, comma-separated: ceiling, textbook, per-message, batch (default: all
-    /// four), and outbox: a plain confirmed publisher against the outbox relay (NOTIFY, and
-    /// polling), plus the commit rate of outbox transactions with and without NOTIFY.
+    /// Modes to run, comma-separated: ceiling, textbook, per-message, batch (default: these
+    /// four); per-message-ordered and batch-ordered: the same consumers ordered by aggregate
+    /// (a failed message holds the rest of its key; the report gives their cost as ratios to
+    /// the unordered twins run in the same rounds); and outbox: a plain confirmed publisher
+    /// against the outbox relay (NOTIFY, and polling), plus the commit rate of outbox
+    /// transactions with and without NOTIFY.
     #[arg(long, value_delimiter = ',')]
     modes: Vec<String>,
     /// Outbox mode: concurrent writer transactions.
@@ -125,6 +133,7 @@ pub(crate) async fn run(servers: &Servers, args: BenchArgs) -> anyhow::Result<Ex
         payload_size: args.payload_size,
         duplicate_share: args.duplicates,
         failure_share: args.failures,
+        keys: args.keys,
         batch_size: args.batch_size,
         lanes: args.lanes,
         prefetch: args.prefetch,

@@ -40,7 +40,7 @@ use crate::{
 use rabbit_inbox::{
     broker::{Broker, OutgoingMessage},
     config::ConsumerConfig,
-    ledger_sql::{Statuses, tables},
+    ledger_sql::{PROCESSED, Statuses, tables},
     ordering::{GapPolicy, OrderingPolicy, SequencePolicy, key_lock},
     status::{InboxStatus, SEQUENCE_GAP, parking_headers},
     telemetry::metrics as m,
@@ -182,6 +182,7 @@ impl Gap {
 /// The statements of one consumer's release passes.
 #[derive(Debug)]
 struct Statements {
+    clear_processed_heads: String,
     candidates: String,
     lock_first: String,
     gap: String,
@@ -190,6 +191,13 @@ struct Statements {
 impl Statements {
     fn new(t: &str, k: &str) -> Self {
         Self {
+            clear_processed_heads: format!(
+                "UPDATE {k} AS ok SET head_message_id = NULL, blocked_since = NULL, \
+                   updated_at = now() \
+                 WHERE ok.consumer_name = $1 AND ok.head_message_id IS NOT NULL \
+                   AND EXISTS (SELECT 1 FROM {t} m WHERE m.consumer_name = $1 \
+                     AND m.message_id = ok.head_message_id AND m.status = {PROCESSED})"
+            ),
             candidates: candidates_sql(t, k),
             lock_first: lock_first_sql(t, k),
             gap: gap_sql(t, k),
@@ -378,6 +386,7 @@ impl ReleaseTask {
     /// clocks of gaps, and acts on gaps that outlived their timeout, through `broker`.
     pub async fn pass(&mut self, broker: &Broker) -> Result<ReleaseReport, OpsError> {
         let mut conn = self.ops.pool.acquire().await?;
+        self.clear_processed_heads(&mut conn).await?;
         let candidates = self.candidates(&mut conn).await?;
         self.cursor = (candidates.len() as i64 >= KEYS_PER_PASS)
             .then(|| candidates.last().map(|c| c.key.clone()))
@@ -402,6 +411,18 @@ impl ReleaseTask {
             }
         }
         Ok(report)
+    }
+
+    /// Unblocks the keys whose head is PROCESSED: another copy of the head committed (two
+    /// instances took copies of it at once, and one recorded its failure as the key's head
+    /// after the other had applied it). Nothing waits for an applied message.
+    async fn clear_processed_heads(&self, conn: &mut PgConnection) -> Result<(), OpsError> {
+        sqlx::query(AssertSqlSafe(self.statements.clear_processed_heads.clone()))
+            .persistent(false)
+            .bind(&self.consumer)
+            .execute(conn)
+            .await?;
+        Ok(())
     }
 
     async fn candidates(&self, conn: &mut PgConnection) -> Result<Vec<Candidate>, OpsError> {

@@ -53,19 +53,28 @@ pub(crate) struct KeyAdvance<'a> {
     pub(crate) next_sequence: Option<i64>,
 }
 
+// A key's first held row is read as `ORDER BY order_position LIMIT 1`, never `min(..)`: with
+// stale statistics the planner takes `min` through another index and reads every HELD row of
+// the consumer per key; the ordered form always walks the held rows' index.
 impl OrderLedger {
     pub(crate) fn new(schema: &SchemaName) -> Self {
         let t = schema.qualify(tables::MESSAGE_INBOX);
         let k = schema.qualify(tables::INBOX_ORDER_KEY);
         let held = InboxStatus::Held.as_str();
+        // A head whose row is PROCESSED blocks nothing: another copy of it committed (on
+        // another instance, while this one recorded the copy's failure as the key's head).
+        let processed = InboxStatus::Processed.as_str();
         Self {
             schema: schema.clone(),
             load: audited(format!(
-                "SELECT u.key, k.head_message_id, k.next_sequence, \
-                   (SELECT min(m.order_position) FROM {t} m WHERE m.consumer_name = $1 \
-                      AND m.order_key = u.key AND m.status = '{held}') AS first_held \
+                "SELECT u.key, CASE WHEN h.status = '{processed}' THEN NULL \
+                   ELSE k.head_message_id END AS head_message_id, k.next_sequence, \
+                   (SELECT m.order_position FROM {t} m WHERE m.consumer_name = $1 \
+                      AND m.order_key = u.key AND m.status = '{held}' \
+                      ORDER BY m.order_position LIMIT 1) AS first_held \
                  FROM unnest($2::text[]) AS u(key) \
-                 LEFT JOIN {k} k ON k.consumer_name = $1 AND k.order_key = u.key"
+                 LEFT JOIN {k} k ON k.consumer_name = $1 AND k.order_key = u.key \
+                 LEFT JOIN {t} h ON h.consumer_name = $1 AND h.message_id = k.head_message_id"
             )),
             note: audited(format!(
                 "INSERT INTO {k} AS k (consumer_name, order_key, head_message_id, blocked_since, \
@@ -96,9 +105,10 @@ impl OrderLedger {
                                    ELSE greatest(k.next_sequence, u.next) END, \
                    gap_since = CASE WHEN u.next <= coalesce(k.next_sequence, u.next - 1) \
                                THEN k.gap_since \
-                               WHEN (SELECT min(m.order_position) FROM {t} m \
+                               WHEN (SELECT m.order_position FROM {t} m \
                                      WHERE m.consumer_name = $1 AND m.order_key = u.key \
-                                       AND m.status = '{held}') > u.next \
+                                       AND m.status = '{held}' \
+                                     ORDER BY m.order_position LIMIT 1) > u.next \
                                THEN now() END, \
                    gap_reported_at = CASE WHEN u.next > coalesce(k.next_sequence, u.next - 1) \
                                      THEN NULL ELSE k.gap_reported_at END, \
