@@ -22,16 +22,23 @@ use crate::{
     Servers, clean_slate,
     cluster::{Cluster, ClusterArgs, NodeFault, spawn_publisher},
     connect, publish_all,
-    scenario::{EXPIRATION_MS, Hostile, Scenario},
+    scenario::{EXPIRATION_MS, Hostile, HostileMessage, Scenario},
 };
+
+mod ordered;
+
+/// How the consumer's log (its stderr) begins the line that says it has started up.
+const STARTED_UP: &str = "consuming ";
 
 /// The consumer process the run starts, kills and restarts: `program` with `args`, to which
 /// the run appends `--schema`, `--queue`, `--exchange` and `--events-exchange` (and
-/// `--batch-size` when given, `--quorum` on a cluster), with `DATABASE_URL` and `AMQP_URL`
-/// (on a cluster, every node's URL, comma-separated) in its environment. It must
-/// consume until SIGTERM, then drain and exit 0, and exit with 2 when a server is unreachable
-/// at start-up. It emits `OrderPaid` to the events exchange through its outbox and relays the
-/// outbox itself (`inbox-lab consume --relay`), so a kill also kills a relay mid-flight.
+/// `--batch-size` when given, `--quorum` on a cluster, `--ordered` in the ordered run), with
+/// `DATABASE_URL` and `AMQP_URL` (on a cluster, every node's URL, comma-separated) in its
+/// environment. It must consume until SIGTERM, then drain and exit 0, exit with 2 when a
+/// server is unreachable at start-up, and write a line beginning with `consuming ` to stderr
+/// once it has started up. It emits `OrderPaid` to the events exchange through its outbox and
+/// relays the outbox itself (`inbox-lab consume --relay`), so a kill also kills a relay
+/// mid-flight.
 #[derive(Clone, Debug)]
 pub struct ConsumerCommand {
     /// The executable.
@@ -112,6 +119,21 @@ pub struct ChaosArgs {
         ]
     )]
     hostile: Vec<Hostile>,
+    /// The ordered run instead: the consumers order each order's messages by `x-sequence`
+    /// (`consume --ordered`), the stream is each order's `OrderStep`s 1..n (`--hostile` does
+    /// not apply), some fail until retried, some are refused, then redriven or skipped during
+    /// the run, and the order service's journal must show every step applied once, in order
+    /// (a skipped one never).
+    #[arg(long, conflicts_with = "cluster")]
+    ordered: bool,
+    /// Steps per order of the ordered run.
+    #[arg(
+        long,
+        default_value_t = 10,
+        requires = "ordered",
+        value_parser = clap::value_parser!(i64).range(1..=1000)
+    )]
+    steps: i64,
     #[command(flatten)]
     cluster: ClusterArgs,
 }
@@ -169,6 +191,15 @@ impl Figures {
     }
 }
 
+/// What a fault changes beside the fleet: its count, the cluster's nodes, the schedule's
+/// random choices (in a fixed order, so a seed replays the run), the consumers' start times.
+struct Shaken<'a> {
+    figures: &'a mut Figures,
+    cluster: Option<&'a mut Cluster>,
+    rng: &'a mut StdRng,
+    started_at: &'a mut [Instant],
+}
+
 /// One consumer process and where its log goes.
 struct Instance {
     child: Child,
@@ -211,6 +242,9 @@ impl Fleet<'_> {
         if self.quorum {
             cmd.arg("--quorum");
         }
+        if self.args.ordered {
+            cmd.arg("--ordered");
+        }
         let child = cmd.kill_on_drop(true).spawn().with_context(|| {
             format!("starting the consumer {}", self.consumer.program.display())
         })?;
@@ -225,6 +259,10 @@ impl Fleet<'_> {
                     .get(i)
                     .is_some_and(|t| t.elapsed() < Duration::from_secs(10));
                 let log = self.instances[i].log.display().to_string();
+                // Told by its log, not only by the time: the run may notice the exit long
+                // after it happened (a fault's command holds the run up).
+                let started_up = std::fs::read_to_string(&self.instances[i].log)
+                    .is_ok_and(|text| text.lines().any(|l| l.starts_with(STARTED_UP)));
                 // A consumer that cannot reach a server at start-up exits with 2 (the CLI's
                 // error exit); before any fault, with both servers up, no start may fail;
                 // anything else is a crash.
@@ -232,7 +270,7 @@ impl Fleet<'_> {
                     figures
                         .launch_failures
                         .push(format!("{status} (log {log})"));
-                } else if status.code() == Some(2) && early {
+                } else if status.code() == Some(2) && (early || !started_up) {
                     figures.startup_failures += 1;
                 } else {
                     figures.crashes.push(format!("{status} (log {log})"));
@@ -251,6 +289,55 @@ impl Fleet<'_> {
         instance.child.wait().await?;
         self.instances[index] = self.spawn()?;
         Ok(())
+    }
+
+    /// Runs one fault of the schedule, counted in `w.figures`.
+    async fn inflict(
+        &mut self,
+        fault: Fault,
+        w: &mut Shaken<'_>,
+        drop_connections: &str,
+    ) -> anyhow::Result<()> {
+        match fault {
+            Fault::KillConsumer => {
+                let i = w.rng.random_range(0..self.instances.len());
+                let r = self.kill(i).await;
+                w.started_at[i] = Instant::now();
+                w.figures.kills += 1;
+                w.figures.restarts += 1;
+                r
+            }
+            Fault::DropConnections => {
+                w.figures.connection_drops += 1;
+                match w.cluster.as_deref() {
+                    // On a cluster, asked of a node that is up (the vhost's connections
+                    // are tracked cluster-wide).
+                    Some(c) => match c.running_node().await {
+                        Ok(node) => shell(&on_node(drop_connections, &node)).await,
+                        Err(e) => Err(e),
+                    },
+                    None => shell(drop_connections).await,
+                }
+            }
+            Fault::RestartPostgres => {
+                w.figures.postgres_restarts += 1;
+                shell(&self.args.restart_postgres_command).await
+            }
+            Fault::KillNode | Fault::StopNode => {
+                let (how, count) = match fault {
+                    Fault::KillNode => (NodeFault::Kill, &mut w.figures.node_kills),
+                    _ => (NodeFault::Stop, &mut w.figures.node_stops),
+                };
+                *count += 1;
+                match w.cluster.as_deref_mut() {
+                    Some(c) => {
+                        let node = w.rng.random_range(1..=c.nodes());
+                        c.take_down(node, how).await
+                    }
+                    None => Ok(()),
+                }
+            }
+        }
     }
 
     /// SIGTERM: each consumer drains, settles what it holds and exits.
@@ -397,12 +484,14 @@ fn all_on_vhost(urls: &str, vhost: &str) -> anyhow::Result<(String, String)> {
     Ok((moved.join(","), user))
 }
 
-/// The chaos run; exit code 1 on a violation of the verdict.
-pub async fn run(
+/// Checks the arguments every run shares, creates the run's vhost and moves the servers'
+/// broker URL (on a cluster, every node's) to it; gives the servers and the command that
+/// drops the run's connections.
+async fn isolate(
     servers: &Servers,
-    args: ChaosArgs,
-    consumer: &ConsumerCommand,
-) -> anyhow::Result<ExitCode> {
+    args: &ChaosArgs,
+    cluster: Option<&Cluster>,
+) -> anyhow::Result<(Servers, String)> {
     if args.consumers == 0 {
         anyhow::bail!("--consumers must be at least 1");
     }
@@ -413,20 +502,33 @@ pub async fn run(
     {
         anyhow::bail!("--vhost takes letters, digits, '-' and '_' only");
     }
-    let mut cluster = args.cluster.cluster.then(|| Cluster::new(&args.cluster));
-    let (broker_urls, node) = match &cluster {
+    let (broker_urls, node) = match cluster {
         Some(c) => (c.urls().await?, Some(c.running_node().await?)),
         None => (servers.amqp_url.clone(), None),
     };
     let (amqp_url, user) = all_on_vhost(&broker_urls, &args.vhost)?;
     prepare_vhost(&args.vhost, &user, node.as_deref()).await?;
-    let servers = &Servers {
+    let servers = Servers {
         amqp_url,
         ..servers.clone()
     };
     let drop_connections = args
         .drop_connections_command
         .replace("{vhost}", &args.vhost);
+    Ok((servers, drop_connections))
+}
+
+/// The chaos run; exit code 1 on a violation of the verdict.
+pub async fn run(
+    servers: &Servers,
+    args: ChaosArgs,
+    consumer: &ConsumerCommand,
+) -> anyhow::Result<ExitCode> {
+    if args.ordered {
+        return ordered::run(servers, args, consumer).await;
+    }
+    let mut cluster = args.cluster.cluster.then(|| Cluster::new(&args.cluster));
+    let (servers, drop_connections) = &isolate(servers, &args, cluster.as_ref()).await?;
     let schema = SchemaName::new(&args.schema)?;
     let exchange = format!("{}.orders", args.queue);
     let mut config = order_service::config(schema.clone(), &args.queue, &exchange);
@@ -625,46 +727,18 @@ pub async fn run(
             let fault = plan[next].1;
             next += 1;
             acted = true;
-            let outcome = match fault {
-                Fault::KillConsumer => {
-                    let i = rng.random_range(0..fleet.instances.len());
-                    let r = fleet.kill(i).await;
-                    started_at[i] = Instant::now();
-                    figures.kills += 1;
-                    figures.restarts += 1;
-                    r
-                }
-                Fault::DropConnections => {
-                    figures.connection_drops += 1;
-                    match cluster.as_ref() {
-                        // On a cluster, asked of a node that is up (the vhost's connections
-                        // are tracked cluster-wide).
-                        Some(c) => match c.running_node().await {
-                            Ok(node) => shell(&on_node(&drop_connections, &node)).await,
-                            Err(e) => Err(e),
-                        },
-                        None => shell(&drop_connections).await,
-                    }
-                }
-                Fault::RestartPostgres => {
-                    figures.postgres_restarts += 1;
-                    shell(&args.restart_postgres_command).await
-                }
-                Fault::KillNode | Fault::StopNode => {
-                    let (how, count) = match fault {
-                        Fault::KillNode => (NodeFault::Kill, &mut figures.node_kills),
-                        _ => (NodeFault::Stop, &mut figures.node_stops),
-                    };
-                    *count += 1;
-                    match cluster.as_mut() {
-                        Some(c) => {
-                            let node = rng.random_range(1..=c.nodes());
-                            c.take_down(node, how).await
-                        }
-                        None => Ok(()),
-                    }
-                }
-            };
+            let outcome = fleet
+                .inflict(
+                    fault,
+                    &mut Shaken {
+                        figures: &mut figures,
+                        cluster: cluster.as_mut(),
+                        rng: &mut rng,
+                        started_at: &mut started_at,
+                    },
+                    drop_connections,
+                )
+                .await;
             if let Err(e) = outcome {
                 faults_failed.push(format!("{fault:?}: {e:#}"));
             }
@@ -763,7 +837,7 @@ pub async fn run(
     let depths = broker.queue_depths(&topology, &config.retry).await?;
     broker.close().await;
     let parking = ParkingLot::read(&servers.amqp_url, &topology).await?;
-    let parking_check = parking.check(&pool, &schema, &scenario).await?;
+    let parking_check = parking.check(&pool, &schema, &scenario.hostile).await?;
     let ledger = read_ledger(&pool, &schema).await?;
     let deliveries = Deliveries::count(&published_copies, &ledger, &parking.copies_by_key());
     let pairs = applied_once(&pool, &schema, &ledger, scenario.valid_before_invalid()).await?;
@@ -1285,11 +1359,13 @@ impl ParkingLot {
         Ok(Self { copies })
     }
 
+    /// The copies against their inbox rows; `hostile`: the hostile messages of the stream,
+    /// each of which must have its copy.
     async fn check(
         &self,
         pool: &sqlx::PgPool,
         schema: &SchemaName,
-        scenario: &Scenario,
+        hostile: &[HostileMessage],
     ) -> anyhow::Result<ParkingCheck> {
         let store = InboxStore::new(schema.clone());
         let mut conn = pool.acquire().await?;
@@ -1348,7 +1424,7 @@ impl ParkingLot {
             }
         }
         let mut codes: Vec<(String, std::collections::BTreeSet<&str>)> = Vec::new();
-        for h in &scenario.hostile {
+        for h in hostile {
             let id = h.message_id.as_str();
             let (parked, wanted) = if h.conflict {
                 (as_conflict.contains(id), "its payload-conflict copy")

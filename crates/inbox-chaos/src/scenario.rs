@@ -3,7 +3,9 @@
 //! optionally hostile inputs (see [`Hostile`]). Deterministic for a seed, so a run can be
 //! replayed.
 
-use order_service::messages::{order_cancelled, order_placed, payment_received, routing_key};
+use order_service::messages::{
+    order_cancelled, order_placed, order_step, payment_received, routing_key,
+};
 use std::collections::{HashMap, HashSet};
 
 use rabbit_inbox::{
@@ -501,25 +503,7 @@ impl Scenario {
     /// Copies published under each inbox key, as the consumer under `rules` derives it (the
     /// synthetic key of a message without a usable id included).
     pub fn published_copies(&self, rules: &EnvelopeRules) -> HashMap<String, usize> {
-        let mut copies = HashMap::new();
-        for m in &self.messages {
-            let delivered = AmqpMessage {
-                message_id: m.message.message_id.clone(),
-                kind: m.message.kind.clone(),
-                content_type: Some("application/json".into()),
-                correlation_id: m.message.correlation_id.clone(),
-                headers: m.message.headers.clone(),
-                headers_truncated: None,
-                body: m.message.body.clone(),
-                redelivered: false,
-            };
-            let key = match envelope::parse(delivered, rules) {
-                Ok(e) => e.message_id,
-                Err(invalid) => invalid.envelope.message_id,
-            };
-            *copies.entry(key).or_insert(0) += 1;
-        }
-        copies
+        published_copies(&self.messages, rules)
     }
 
     /// The valid messages that an invalid copy follows ([`Hostile::ValidThenInvalid`]): each
@@ -547,6 +531,186 @@ impl Scenario {
         });
         self.push_expiring(message, expiration);
     }
+}
+
+/// Orders whose steps the ordered stream interleaves at any point: each order's steps are
+/// close together in the queue, so competing consumers take neighbouring steps of one order.
+const ORDERED_WINDOW: usize = 16;
+
+/// Share of the ordered stream's steps that fail until retried ([`order_service::StepFault::RetryOnce`]).
+const RETRIED_SHARE: f64 = 0.02;
+
+/// Share of the ordered stream's orders with a refused step ([`order_service::StepFault::Refuse`]).
+const REFUSED_SHARE: f64 = 0.02;
+
+/// Share of the ordered stream's steps published twice (an exact duplicate, at once or at the
+/// end of the stream).
+const ORDERED_DUPLICATE_SHARE: f64 = 0.05;
+
+/// One step of one order in the ordered stream.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Step {
+    /// The order (its `x-aggregate-id`).
+    pub order_id: String,
+    /// Its number in the order's sequence (`x-sequence`).
+    pub step: i64,
+    /// The step's message id.
+    pub message_id: String,
+}
+
+/// The ordered run's stream: for each order, `OrderStep`s 1..=`steps` carrying their number
+/// in `x-sequence`, published in each order's sequence and interleaved across a few orders at
+/// a time, with exact duplicates; and the steps that are to fail. Deterministic for a seed.
+#[derive(Debug)]
+pub struct OrderedStream {
+    /// The messages, in publishing order.
+    pub messages: Vec<Published>,
+    /// The orders' ids.
+    pub orders: Vec<String>,
+    /// Steps per order.
+    pub steps: i64,
+    /// Exact duplicates injected (same id, same body).
+    pub duplicates: usize,
+    /// Steps that fail retryably until a retry returns them ([`order_service::StepFault::RetryOnce`]).
+    pub retried: Vec<Step>,
+    /// Steps refused ([`order_service::StepFault::Refuse`]: parked, blocking their order)
+    /// until their fault is cleared and they are redriven; at least one in a stream.
+    pub redriven: Vec<Step>,
+    /// Steps refused as well, whose order an operator lets go on without them: skipped heads,
+    /// never applied; at least one in a stream of two orders. At most one refused step
+    /// (redriven or skipped) per order.
+    pub skipped: Vec<Step>,
+}
+
+impl OrderedStream {
+    /// `orders` orders of `steps` steps each, from `seed`.
+    pub fn generate(orders: usize, steps: i64, seed: u64) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x05de_5e9e);
+        let run = format!("{seed:016x}");
+        let order_ids: Vec<String> = (0..orders).map(|k| format!("ord-{run}-{k}")).collect();
+        let step_of = |k: usize, step: i64| Step {
+            order_id: order_ids[k].clone(),
+            step,
+            message_id: format!("{run}-step-{k}-{step}"),
+        };
+        let mut stream = OrderedStream {
+            messages: Vec::new(),
+            orders: order_ids.clone(),
+            steps,
+            duplicates: 0,
+            retried: Vec::new(),
+            redriven: Vec::new(),
+            skipped: Vec::new(),
+        };
+        let mut late = Vec::new();
+        let mut next = vec![1i64; orders];
+        let mut window: Vec<usize> = (0..orders.min(ORDERED_WINDOW)).collect();
+        let mut waiting = window.len()..orders;
+        while !window.is_empty() {
+            let slot = rng.random_range(0..window.len());
+            let k = window[slot];
+            let s = step_of(k, next[k]);
+            let m = order_step(&s.message_id, &s.order_id, s.step);
+            if rng.random_bool(ORDERED_DUPLICATE_SHARE) {
+                stream.duplicates += 1;
+                if rng.random_bool(0.5) {
+                    stream.push(m.clone());
+                } else {
+                    late.push(m.clone());
+                }
+            }
+            stream.push(m);
+            next[k] += 1;
+            if next[k] > steps {
+                match waiting.next() {
+                    Some(following) => window[slot] = following,
+                    None => {
+                        window.swap_remove(slot);
+                    }
+                }
+            }
+        }
+        for m in late {
+            stream.push(m);
+        }
+        stream.choose_failures(&mut rng, &step_of);
+        stream
+    }
+
+    /// Picks the steps that fail: some until retried, and a refused one in a few orders, to
+    /// be redriven or skipped by turns.
+    fn choose_failures(&mut self, rng: &mut StdRng, step_of: &dyn Fn(usize, i64) -> Step) {
+        let (orders, steps) = (self.orders.len(), self.steps);
+        let mut refused: Vec<Step> = Vec::new();
+        for k in 0..orders {
+            let step = rng
+                .random_bool(REFUSED_SHARE)
+                .then(|| rng.random_range(1..=steps));
+            if let Some(step) = step {
+                refused.push(step_of(k, step));
+            }
+            for n in 1..=steps {
+                if Some(n) != step && rng.random_bool(RETRIED_SHARE) {
+                    self.retried.push(step_of(k, n));
+                }
+            }
+        }
+        // One to redrive and one to skip, at least, in every stream that has room for them.
+        for k in [0, orders.saturating_sub(1)] {
+            if refused.len() < orders.min(2)
+                && !refused.iter().any(|r| r.order_id == self.orders[k])
+            {
+                let s = step_of(k, (steps + 1) / 2);
+                self.retried.retain(|r| *r != s);
+                refused.push(s);
+            }
+        }
+        for (i, s) in refused.into_iter().enumerate() {
+            if i % 2 == 0 {
+                self.redriven.push(s);
+            } else {
+                self.skipped.push(s);
+            }
+        }
+    }
+
+    /// Distinct messages (each order's steps).
+    pub fn unique_keys(&self) -> usize {
+        self.orders.len() * usize::try_from(self.steps).unwrap_or(0)
+    }
+
+    fn push(&mut self, message: OutgoingMessage) {
+        let routing_key = routing_key(message.kind.as_deref().unwrap_or_default()).to_owned();
+        self.messages.push(Published {
+            routing_key,
+            message,
+            expiration: None,
+        });
+    }
+}
+
+/// Copies of `messages` published under each inbox key, as a consumer under `rules` derives it
+/// (the synthetic key of a message without a usable id included).
+pub fn published_copies(messages: &[Published], rules: &EnvelopeRules) -> HashMap<String, usize> {
+    let mut copies = HashMap::new();
+    for m in messages {
+        let delivered = AmqpMessage {
+            message_id: m.message.message_id.clone(),
+            kind: m.message.kind.clone(),
+            content_type: Some("application/json".into()),
+            correlation_id: m.message.correlation_id.clone(),
+            headers: m.message.headers.clone(),
+            headers_truncated: None,
+            body: m.message.body.clone(),
+            redelivered: false,
+        };
+        let key = match envelope::parse(delivered, rules) {
+            Ok(e) => e.message_id,
+            Err(invalid) => invalid.envelope.message_id,
+        };
+        *copies.entry(key).or_insert(0) += 1;
+    }
+    copies
 }
 
 /// One order index in each stretch of `every` orders, at a random point of it; none unless `on`.
@@ -810,5 +974,70 @@ mod tests {
             assert!(stream.any(|k| k == wanted), "{:?} kept", wanted.0);
         }
         assert_eq!(all.expected.payments, plain.expected.payments);
+    }
+
+    #[test]
+    fn ordered_stream_publishes_each_order_in_sequence() {
+        let s = OrderedStream::generate(200, 10, 7);
+        assert_eq!(s.unique_keys(), 2_000);
+        assert_eq!(s.messages.len(), s.unique_keys() + s.duplicates);
+        assert!(s.duplicates > 0);
+        // First copies: every step once, each order's in its sequence, the number in the
+        // header, under the order's aggregate id.
+        let mut seen = HashSet::new();
+        let mut last: HashMap<String, i64> = HashMap::new();
+        for m in &s.messages {
+            let id = m.message.message_id.clone().expect("id");
+            if !seen.insert(id) {
+                continue;
+            }
+            let order = m.message.headers[AGGREGATE_ID_HEADER]
+                .as_str()
+                .expect("aggregate")
+                .to_owned();
+            let step = m.message.headers[order_service::SEQUENCE_HEADER]
+                .as_i64()
+                .expect("sequence");
+            let before = last.insert(order.clone(), step).unwrap_or(0);
+            assert_eq!(step, before + 1, "{order}: step {step} after {before}");
+        }
+        assert_eq!(seen.len(), s.unique_keys());
+        assert!(last.values().all(|&n| n == 10));
+        // Interleaved: the first order's steps are spread among others'.
+        let firsts: Vec<usize> = s
+            .messages
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.message.headers[AGGREGATE_ID_HEADER] == s.orders[0].as_str())
+            .map(|(i, _)| i)
+            .collect();
+        assert!(firsts.last().expect("steps") - firsts[0] > 10);
+        // Failures: at most one refused step per order, never also retried; some refused
+        // steps are redriven, others skipped.
+        assert!(!s.redriven.is_empty() && !s.skipped.is_empty() && !s.retried.is_empty());
+        let refused: Vec<&Step> = s.redriven.iter().chain(&s.skipped).collect();
+        let refused_orders: HashSet<&str> = refused.iter().map(|r| r.order_id.as_str()).collect();
+        assert_eq!(refused_orders.len(), refused.len());
+        assert!(s.retried.iter().all(|r| !refused.contains(&r)));
+        let again = OrderedStream::generate(200, 10, 7);
+        assert_eq!(again.redriven, s.redriven);
+        assert_eq!(again.skipped, s.skipped);
+        assert_eq!(again.retried, s.retried);
+        assert_eq!(again.messages.len(), s.messages.len());
+    }
+
+    #[test]
+    fn a_small_ordered_stream_still_refuses_steps() {
+        let one = OrderedStream::generate(1, 3, 1);
+        assert_eq!(one.redriven.len(), 1);
+        assert_eq!(one.redriven[0].step, 2);
+        assert!(
+            one.skipped.is_empty(),
+            "one order: nothing to go on without"
+        );
+        assert!(one.retried.iter().all(|r| r.step != 2));
+        let two = OrderedStream::generate(2, 3, 1);
+        assert_eq!((two.redriven.len(), two.skipped.len()), (1, 1));
+        assert_ne!(two.redriven[0].order_id, two.skipped[0].order_id);
     }
 }

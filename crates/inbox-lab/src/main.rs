@@ -71,7 +71,8 @@ enum Command {
     /// The reliability run: several consumer processes on one queue while consumers are
     /// SIGKILLed and restarted, broker connections are force-closed and PostgreSQL restarts;
     /// then zero lost and zero double-applied are checked from the database and the broker.
-    /// Exit code 1 on a violation.
+    /// `--ordered`: the consumers keep each order's messages in sequence, and the run checks
+    /// that every order's steps applied once each, in order. Exit code 1 on a violation.
     Chaos(chaos::ChaosArgs),
     /// The example service at a steady rate for a set time: resident memory and latency
     /// percentiles per interval; exit code 1 if memory keeps growing or effects are not
@@ -146,6 +147,11 @@ pub(crate) struct ConsumeArgs {
     /// Also run the outbox relay in this process.
     #[arg(long)]
     relay: bool,
+    /// Process each order's messages in their `x-sequence` order (`order_service::ordering`),
+    /// and run the release task that publishes held messages again in their turn. Every
+    /// instance on the queue must agree.
+    #[arg(long)]
+    ordered: bool,
     #[command(flatten)]
     observe: telemetry::ObserveArgs,
 }
@@ -261,65 +267,7 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
             println!("schema {schema} is up to date");
             Ok(ExitCode::SUCCESS)
         }
-        Command::Consume(args) => {
-            let mut config = args.service.config()?;
-            args.observe.configure(&mut config);
-            config.validate()?;
-            args.observe.install_metrics()?;
-            let pool =
-                connect::postgres(&servers.database_url, connect::pool_size(config.lanes)).await?;
-            let broker = connect::rabbitmq(&servers.amqp_url).await?;
-            broker
-                .declare_exchange(&args.events_exchange)
-                .await
-                .with_context(|| format!("declaring exchange {}", args.events_exchange))?;
-            broker.close().await;
-            migrate_service(&pool, &config.schema).await?;
-            let handler = order_service::OrderHandler::new(config.schema.clone())
-                .with_events_exchange(&args.events_exchange);
-            let sampler = args.observe.sampler(&pool, &config)?;
-            // What a service runs beside its consumer: a retry copy the broker lost (a node
-            // failure can strand a quorum tier's expired messages) is republished.
-            let recovery = inbox_ops::RecoveryTask::new(
-                pool.clone(),
-                servers.amqp_url.clone(),
-                &config,
-                inbox_ops::RecoveryConfig::default(),
-            )?;
-            // An ordered consumer's held messages run only once this task publishes them.
-            let release = inbox_ops::ReleaseTask::for_consumer(
-                pool.clone(),
-                servers.amqp_url.clone(),
-                &config,
-            );
-            let schema = config.schema.clone();
-            let consumer = Consumer::new(servers.amqp_url.clone(), pool.clone(), config, handler)?;
-            let stats = consumer.stats();
-            let mut service = Runner::new()
-                .task("consumer", |stop| consumer.run(stop))
-                .task("recovery", |stop| recovery.run(stop));
-            if let Some(release) = release {
-                service = service.task("release", |stop| release.run(stop));
-            }
-            if args.relay {
-                let relay = Relay::new(servers.amqp_url.clone(), pool, RelayConfig::new(schema))?;
-                service = service.task("outbox relay", |stop| relay.run(stop));
-            }
-            if let Some(sampler) = sampler {
-                service = service.task("sampler", |stop| sampler.run(stop));
-            }
-            eprintln!(
-                "consuming {}; Ctrl-C or SIGTERM to stop",
-                args.service.queue
-            );
-            service.run(rabbit_inbox::shutdown_signal()).await?;
-            let s = stats.snapshot();
-            eprintln!(
-                "stopped: received {}, processed {}, duplicates {}, retried {}, parked {}",
-                s.received, s.processed, s.duplicates, s.retried, s.parked
-            );
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Consume(args) => consume(&servers, args).await,
         Command::ConsumeShipping(args) => {
             let schema = SchemaName::new(&args.schema)?;
             let mut config = shipping_service::config(schema.clone(), &args.queue, &args.exchange);
@@ -392,4 +340,70 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
         Command::Soak(args) => soak::run(&servers, args).await,
         Command::BenchRetention(args) => bench_retention::run_bench(&servers, args).await,
     }
+}
+
+/// `inbox-lab consume`: the example consumer with recovery (and, ordered, the release task)
+/// beside it, until SIGINT/SIGTERM.
+async fn consume(servers: &Servers, args: ConsumeArgs) -> anyhow::Result<ExitCode> {
+    let mut config = args.service.config()?;
+    if args.ordered {
+        config.ordering = Some(order_service::ordering());
+    }
+    args.observe.configure(&mut config);
+    config.validate()?;
+    args.observe.install_metrics()?;
+    let pool = connect::postgres(&servers.database_url, connect::pool_size(config.lanes)).await?;
+    let broker = connect::rabbitmq(&servers.amqp_url).await?;
+    broker
+        .declare_exchange(&args.events_exchange)
+        .await
+        .with_context(|| format!("declaring exchange {}", args.events_exchange))?;
+    broker.close().await;
+    migrate_service(&pool, &config.schema).await?;
+    let handler = order_service::OrderHandler::new(config.schema.clone())
+        .with_events_exchange(&args.events_exchange);
+    let sampler = args.observe.sampler(&pool, &config)?;
+    // What a service runs beside its consumer: a retry copy the broker lost (a node
+    // failure can strand a quorum tier's expired messages) is republished.
+    let recovery = inbox_ops::RecoveryTask::new(
+        pool.clone(),
+        servers.amqp_url.clone(),
+        &config,
+        inbox_ops::RecoveryConfig::default(),
+    )?;
+    // An ordered consumer's held messages run only once this task publishes them.
+    let release =
+        inbox_ops::ReleaseTask::for_consumer(pool.clone(), servers.amqp_url.clone(), &config);
+    let schema = config.schema.clone();
+    let consumer = Consumer::new(servers.amqp_url.clone(), pool.clone(), config, handler)?;
+    let stats = consumer.stats();
+    let mut service = Runner::new()
+        .task("consumer", |stop| consumer.run(stop))
+        .task("recovery", |stop| recovery.run(stop));
+    if let Some(release) = release {
+        service = service.task("release", |stop| release.run(stop));
+    }
+    if args.relay {
+        let relay = Relay::new(servers.amqp_url.clone(), pool, RelayConfig::new(schema))?;
+        service = service.task("outbox relay", |stop| relay.run(stop));
+    }
+    if let Some(sampler) = sampler {
+        service = service.task("sampler", |stop| sampler.run(stop));
+    }
+    eprintln!(
+        "consuming {}{}; Ctrl-C or SIGTERM to stop",
+        args.service.queue,
+        if args.ordered {
+            " in each order's sequence"
+        } else {
+            ""
+        }
+    );
+    service.run(rabbit_inbox::shutdown_signal()).await?;
+    let s = stats.snapshot();
+    eprintln!(
+        "stopped: received {}, processed {}, duplicates {}, retried {}, parked {}",
+        s.received, s.processed, s.duplicates, s.retried, s.parked
+    );
+    Ok(ExitCode::SUCCESS)
 }

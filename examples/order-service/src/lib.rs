@@ -4,8 +4,10 @@
 //! addresses; override with `DATABASE_URL` and `AMQP_URL`).
 //!
 //! Its effects make duplicates visible: a payment applied twice doubles `paid_cents` and leaves
-//! two `payment_history` rows for one message id. See this crate's README for the queue,
-//! message format and tables, so any AMQP client can drive it.
+//! two `payment_history` rows for one message id. Every applied message with a sequence number
+//! ([`SEQUENCE_HEADER`]) is journaled, so an ordered consumer's per-order order can be checked
+//! ([`ordering`]). See this crate's README for the queue, message format and tables, so any
+//! AMQP client can drive it.
 
 pub mod messages;
 mod tables;
@@ -15,11 +17,12 @@ use std::time::Duration;
 use rabbit_inbox::{
     ConsumerConfig, Handler, HandlerError, InboxMessage, OutboxMessage, RetryPolicy, SchemaName,
     Topology,
+    ordering::{GapPolicy, OrderingPolicy, SequencePolicy},
 };
 use serde::Deserialize;
 use sqlx::PgConnection;
 
-pub use tables::{Verification, migrate, verify};
+pub use tables::{StepFault, Verification, clear_step_fault, migrate, set_step_fault, verify};
 
 /// Consumer name: the second half of the inbox key.
 pub const CONSUMER_NAME: &str = "order-service";
@@ -32,6 +35,13 @@ pub const QUEUE: &str = "order-service";
 pub const EVENTS_EXCHANGE: &str = "order-events";
 /// Routing key of `OrderPaid`.
 pub const ORDER_PAID_KEY: &str = "order.paid";
+/// Header carrying a message's number in its order's sequence: the service journals every
+/// applied message that has one (table `order_journal`), and [`ordering`] orders by it.
+pub const SEQUENCE_HEADER: &str = "x-sequence";
+/// How long an ordered consumer ([`ordering`]) holds an order's later messages for a missing
+/// number before it alerts: far longer than any redelivery takes, so it fires only for a
+/// message that is really lost. The held messages keep waiting after the alert.
+pub const GAP_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The service's configuration: queue `order-service` bound to exchange `orders` with `order.#`,
 /// inbox and business tables in `schema`.
@@ -47,6 +57,15 @@ pub fn config(schema: SchemaName, queue: &str, exchange: &str) -> ConsumerConfig
     config.retry =
         RetryPolicy::tiered([1, 2, 5, 10].into_iter().map(Duration::from_secs).collect());
     config
+}
+
+/// Per-order processing order (set as `config.ordering`): each order's messages, by
+/// `x-aggregate-id`, run in the order of their [`SEQUENCE_HEADER`] numbers, from 1, through
+/// retries and parking; a missing number holds the later ones (see [`GAP_TIMEOUT`]).
+pub fn ordering() -> OrderingPolicy {
+    OrderingPolicy::by_aggregate().with_sequence(
+        SequencePolicy::header(SEQUENCE_HEADER).on_gap(GAP_TIMEOUT, GapPolicy::KeepHolding),
+    )
 }
 
 /// The handler. Amounts are integers in minor units (cents).
@@ -103,6 +122,12 @@ struct OrderCancelled {
     order_id: String,
 }
 
+#[derive(Deserialize)]
+struct OrderStep {
+    order_id: String,
+    step: i64,
+}
+
 impl Handler for OrderHandler {
     async fn handle(
         &self,
@@ -111,85 +136,168 @@ impl Handler for OrderHandler {
     ) -> Result<(), HandlerError> {
         let t = tables::Tables::new(&self.schema);
         match msg.message_type() {
-            "OrderPlaced" => {
-                let m: OrderPlaced = msg.decode()?;
-                if m.total < 0 {
-                    return Err(HandlerError::permanent(
-                        "invalid_amount",
-                        "total is negative",
-                    ));
-                }
-                // Another message id for the same order is a logical duplicate: no-op.
-                t.insert_order(tx, &m.order_id, &m.customer_id, m.total, msg.message_id())
-                    .await?;
+            "OrderPlaced" => placed(&t, msg, tx).await?,
+            "PaymentReceived" => self.payment(&t, msg, tx).await?,
+            "OrderCancelled" => cancelled(&t, msg, tx).await?,
+            "OrderStep" => step(&t, msg, tx).await?,
+            other => {
+                return Err(HandlerError::permanent(
+                    "unknown_message_type",
+                    format!("order-service does not handle {other:?}"),
+                ));
+            }
+        }
+        journal(&t, msg, tx).await
+    }
+}
+
+impl OrderHandler {
+    async fn payment(
+        &self,
+        t: &tables::Tables,
+        msg: &InboxMessage<'_>,
+        tx: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        let m: PaymentReceived = msg.decode()?;
+        if m.amount <= 0 {
+            return Err(HandlerError::permanent(
+                "invalid_amount",
+                "amount must be positive",
+            ));
+        }
+        match t
+            .add_payment(tx, &m.order_id, m.amount, msg.message_id())
+            .await?
+        {
+            Ok(paid) if paid.completed => {
+                // Through the outbox, in this transaction: emitted if and only if the
+                // payment commits, with an id derived from this payment's, so a replay
+                // emits the same id and the shipping inbox drops the copy.
+                let event = OrderPaid {
+                    order_id: m.order_id.clone(),
+                    customer_id: paid.customer_id,
+                    total: paid.total,
+                    paid: paid.paid,
+                };
+                let out = OutboxMessage::json(
+                    "OrderPaid",
+                    &self.events_exchange,
+                    ORDER_PAID_KEY,
+                    &event,
+                )?
+                .with_aggregate("Order", &m.order_id);
+                msg.outbox(tx).enqueue(out).await?;
                 Ok(())
             }
-            "PaymentReceived" => {
-                let m: PaymentReceived = msg.decode()?;
-                if m.amount <= 0 {
-                    return Err(HandlerError::permanent(
-                        "invalid_amount",
-                        "amount must be positive",
-                    ));
-                }
-                match t
-                    .add_payment(tx, &m.order_id, m.amount, msg.message_id())
-                    .await?
-                {
-                    Ok(paid) if paid.completed => {
-                        // Through the outbox, in this transaction: emitted if and only if the
-                        // payment commits, with an id derived from this payment's, so a replay
-                        // emits the same id and the shipping inbox drops the copy.
-                        let event = OrderPaid {
-                            order_id: m.order_id.clone(),
-                            customer_id: paid.customer_id,
-                            total: paid.total,
-                            paid: paid.paid,
-                        };
-                        let out = OutboxMessage::json(
-                            "OrderPaid",
-                            &self.events_exchange,
-                            ORDER_PAID_KEY,
-                            &event,
-                        )?
-                        .with_aggregate("Order", &m.order_id);
-                        msg.outbox(tx).enqueue(out).await?;
-                        Ok(())
-                    }
-                    Ok(_) => Ok(()),
-                    Err(tables::Transition::Applied) => Ok(()),
-                    // It may arrive before its order: retry until the budget runs out.
-                    Err(tables::Transition::NotFound) => Err(HandlerError::retryable(
-                        "order_not_found",
-                        format!("order {} does not exist (yet)", m.order_id),
-                    )),
-                    Err(tables::Transition::Refused(status)) => Err(HandlerError::permanent(
-                        "invalid_transition",
-                        format!("order {} is {status}; payment refused", m.order_id),
-                    )),
-                }
-            }
-            "OrderCancelled" => {
-                let m: OrderCancelled = msg.decode()?;
-                match t.cancel(tx, &m.order_id).await? {
-                    tables::Transition::Applied => Ok(()),
-                    tables::Transition::NotFound => Err(HandlerError::retryable(
-                        "order_not_found",
-                        format!("order {} does not exist (yet)", m.order_id),
-                    )),
-                    tables::Transition::Refused(status) => Err(HandlerError::permanent(
-                        "invalid_transition",
-                        format!(
-                            "order {} is {status}; only PLACED orders can be cancelled",
-                            m.order_id
-                        ),
-                    )),
-                }
-            }
-            other => Err(HandlerError::permanent(
-                "unknown_message_type",
-                format!("order-service does not handle {other:?}"),
+            Ok(_) => Ok(()),
+            Err(tables::Transition::Applied) => Ok(()),
+            // It may arrive before its order: retry until the budget runs out.
+            Err(tables::Transition::NotFound) => Err(HandlerError::retryable(
+                "order_not_found",
+                format!("order {} does not exist (yet)", m.order_id),
+            )),
+            Err(tables::Transition::Refused(status)) => Err(HandlerError::permanent(
+                "invalid_transition",
+                format!("order {} is {status}; payment refused", m.order_id),
             )),
         }
     }
+}
+
+async fn placed(
+    t: &tables::Tables,
+    msg: &InboxMessage<'_>,
+    tx: &mut PgConnection,
+) -> Result<(), HandlerError> {
+    let m: OrderPlaced = msg.decode()?;
+    if m.total < 0 {
+        return Err(HandlerError::permanent(
+            "invalid_amount",
+            "total is negative",
+        ));
+    }
+    // Another message id for the same order is a logical duplicate: no-op.
+    t.insert_order(tx, &m.order_id, &m.customer_id, m.total, msg.message_id())
+        .await?;
+    Ok(())
+}
+
+async fn cancelled(
+    t: &tables::Tables,
+    msg: &InboxMessage<'_>,
+    tx: &mut PgConnection,
+) -> Result<(), HandlerError> {
+    let m: OrderCancelled = msg.decode()?;
+    match t.cancel(tx, &m.order_id).await? {
+        tables::Transition::Applied => Ok(()),
+        tables::Transition::NotFound => Err(HandlerError::retryable(
+            "order_not_found",
+            format!("order {} does not exist (yet)", m.order_id),
+        )),
+        tables::Transition::Refused(status) => Err(HandlerError::permanent(
+            "invalid_transition",
+            format!(
+                "order {} is {status}; only PLACED orders can be cancelled",
+                m.order_id
+            ),
+        )),
+    }
+}
+
+/// A step's effect is its journal row; it meets the failure `order_step_faults` sets for it.
+async fn step(
+    t: &tables::Tables,
+    msg: &InboxMessage<'_>,
+    tx: &mut PgConnection,
+) -> Result<(), HandlerError> {
+    let m: OrderStep = msg.decode()?;
+    match t.step_fault(tx, &m.order_id, m.step).await? {
+        // Told by the delivery, not by the attempt count: whatever ran before, the copy a
+        // retry tier returns carries the broker's `x-death`.
+        Some(StepFault::RetryOnce) if msg.envelope().death_count == 0 => {
+            Err(HandlerError::retryable(
+                "step_not_ready",
+                format!(
+                    "order {} step {} fails until a retry brings it back (order_step_faults: \
+                     retry_once); its retry applies it",
+                    m.order_id, m.step
+                ),
+            ))
+        }
+        Some(StepFault::Refuse) => Err(HandlerError::permanent(
+            "step_refused",
+            format!(
+                "order {} step {} is refused while order_step_faults lists it; delete that \
+                 row, then redrive the message",
+                m.order_id, m.step
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Journals an applied message that carries a sequence number ([`SEQUENCE_HEADER`], an
+/// integer or its decimal text) and an aggregate id; others are not journaled.
+async fn journal(
+    t: &tables::Tables,
+    msg: &InboxMessage<'_>,
+    tx: &mut PgConnection,
+) -> Result<(), HandlerError> {
+    let envelope = msg.envelope();
+    let sequence = match envelope.headers.get(SEQUENCE_HEADER) {
+        Some(serde_json::Value::Number(n)) => n.as_i64(),
+        Some(serde_json::Value::String(s)) => s.trim().parse().ok(),
+        _ => None,
+    };
+    if let (Some(aggregate_id), Some(sequence)) = (envelope.aggregate_id.as_deref(), sequence) {
+        t.journal(
+            tx,
+            aggregate_id,
+            sequence,
+            msg.message_id(),
+            msg.message_type(),
+        )
+        .await?;
+    }
+    Ok(())
 }

@@ -6,12 +6,15 @@ use rabbit_inbox::{
 };
 use serde_json::{Map, Value, json};
 
+use crate::SEQUENCE_HEADER;
+
 /// Routing key of each message type on the `orders` exchange.
 pub fn routing_key(message_type: &str) -> &'static str {
     match message_type {
         "OrderPlaced" => "order.placed",
         "PaymentReceived" => "order.payment-received",
         "OrderCancelled" => "order.cancelled",
+        "OrderStep" => "order.step",
         _ => "order.other",
     }
 }
@@ -63,4 +66,17 @@ pub fn order_cancelled(message_id: &str, order_id: &str) -> OutgoingMessage {
         order_id,
         json!({"order_id": order_id}),
     )
+}
+
+/// `OrderStep{order_id, step}`: step `step` of an order's fulfilment, with `step` also in the
+/// [`SEQUENCE_HEADER`] header, so an ordered consumer runs an order's steps in their order.
+pub fn order_step(message_id: &str, order_id: &str, step: i64) -> OutgoingMessage {
+    let mut m = message(
+        message_id,
+        "OrderStep",
+        order_id,
+        json!({"order_id": order_id, "step": step}),
+    );
+    m.headers.insert(SEQUENCE_HEADER.into(), step.into());
+    m
 }

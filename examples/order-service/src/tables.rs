@@ -40,11 +40,103 @@ async fn create_tables(conn: &mut PgConnection, schema: &SchemaName) -> Result<(
         );
         CREATE INDEX IF NOT EXISTS payment_history_message ON "{schema}".payment_history (message_id);
         CREATE INDEX IF NOT EXISTS payment_history_order ON "{schema}".payment_history (order_id);
+        -- Every applied message that carries a sequence number (header x-sequence), one row
+        -- per application: per aggregate, the serials give the order the applications
+        -- committed in (an ordered consumer applies one aggregate's messages one at a time).
+        -- Deliberately no unique constraint: a number applied twice must be visible here.
+        CREATE TABLE IF NOT EXISTS "{schema}".order_journal (
+            serial          BIGSERIAL PRIMARY KEY,
+            aggregate_id    TEXT NOT NULL,
+            sequence_number BIGINT NOT NULL,
+            message_id      TEXT NOT NULL,
+            message_type    TEXT NOT NULL,
+            applied_at      TIMESTAMPTZ NOT NULL DEFAULT now()
+        );
+        CREATE INDEX IF NOT EXISTS order_journal_aggregate
+            ON "{schema}".order_journal (aggregate_id, serial);
+        -- Failures an OrderStep is to meet, set up by whoever drives the service (the chaos
+        -- run): 'retry_once' fails the step retryably until a retry tier returns it;
+        -- 'refuse' fails it
+        -- permanently for as long as the row exists (deleting it is the fix before a redrive).
+        CREATE TABLE IF NOT EXISTS "{schema}".order_step_faults (
+            order_id TEXT NOT NULL,
+            step     BIGINT NOT NULL,
+            fault    TEXT NOT NULL CHECK (fault IN ('retry_once', 'refuse')),
+            PRIMARY KEY (order_id, step)
+        );
         "#
     )))
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// A failure an `OrderStep` is to meet (table `order_step_faults`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepFault {
+    /// The step fails retryably (`step_not_ready`) until a retry tier returns it (its
+    /// delivery carries the broker's `x-death`): the retry applies it.
+    RetryOnce,
+    /// The step fails permanently (`step_refused`) for as long as the fault is set, so it is
+    /// parked; clearing the fault ([`clear_step_fault`]) and redriving it applies it.
+    Refuse,
+}
+
+impl StepFault {
+    /// As stored in `order_step_faults.fault`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepFault::RetryOnce => "retry_once",
+            StepFault::Refuse => "refuse",
+        }
+    }
+
+    fn parse(stored: &str) -> Option<Self> {
+        match stored {
+            "retry_once" => Some(StepFault::RetryOnce),
+            "refuse" => Some(StepFault::Refuse),
+            _ => None,
+        }
+    }
+}
+
+/// Sets the failure step `step` of order `order_id` is to meet (replacing any other).
+pub async fn set_step_fault(
+    pool: &PgPool,
+    schema: &SchemaName,
+    order_id: &str,
+    step: i64,
+    fault: StepFault,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".order_step_faults (order_id, step, fault) VALUES ($1, $2, $3) \
+         ON CONFLICT (order_id, step) DO UPDATE SET fault = EXCLUDED.fault"
+    )))
+    .bind(order_id)
+    .bind(step)
+    .bind(fault.as_str())
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Clears the failure of step `step` of order `order_id`: the fix an operator makes before
+/// redriving a refused step. `false` when none was set.
+pub async fn clear_step_fault(
+    pool: &PgPool,
+    schema: &SchemaName,
+    order_id: &str,
+    step: i64,
+) -> Result<bool, sqlx::Error> {
+    let deleted = sqlx::query(AssertSqlSafe(format!(
+        "DELETE FROM \"{schema}\".order_step_faults WHERE order_id = $1 AND step = $2"
+    )))
+    .bind(order_id)
+    .bind(step)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    Ok(deleted > 0)
 }
 
 pub(crate) enum Transition {
@@ -68,6 +160,8 @@ pub(crate) struct Tables {
     history: SqlStr,
     cancel: SqlStr,
     status: SqlStr,
+    journal: SqlStr,
+    step_fault: SqlStr,
 }
 
 impl Tables {
@@ -95,6 +189,14 @@ impl Tables {
             )),
             status: q(format!(
                 "SELECT status FROM \"{schema}\".orders WHERE order_id = $1"
+            )),
+            journal: q(format!(
+                "INSERT INTO \"{schema}\".order_journal \
+                   (aggregate_id, sequence_number, message_id, message_type) \
+                 VALUES ($1, $2, $3, $4)"
+            )),
+            step_fault: q(format!(
+                "SELECT fault FROM \"{schema}\".order_step_faults WHERE order_id = $1 AND step = $2"
             )),
         }
     }
@@ -144,6 +246,41 @@ impl Tables {
             total: row.try_get("total_cents")?,
             paid: row.try_get("paid_cents")?,
         }))
+    }
+
+    /// Journals an applied message of aggregate `aggregate_id` with sequence number
+    /// `sequence`.
+    pub(crate) async fn journal(
+        &self,
+        tx: &mut PgConnection,
+        aggregate_id: &str,
+        sequence: i64,
+        message_id: &str,
+        message_type: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(self.journal.clone())
+            .bind(aggregate_id)
+            .bind(sequence)
+            .bind(message_id)
+            .bind(message_type)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+
+    /// The failure step `step` of order `order_id` is to meet, if any.
+    pub(crate) async fn step_fault(
+        &self,
+        tx: &mut PgConnection,
+        order_id: &str,
+        step: i64,
+    ) -> Result<Option<StepFault>, sqlx::Error> {
+        let stored: Option<String> = sqlx::query_scalar(self.step_fault.clone())
+            .bind(order_id)
+            .bind(step)
+            .fetch_optional(&mut *tx)
+            .await?;
+        Ok(stored.as_deref().and_then(StepFault::parse))
     }
 
     pub(crate) async fn cancel(

@@ -9,7 +9,9 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use order_service::messages::{order_cancelled, order_placed, payment_received, routing_key};
+use order_service::messages::{
+    order_cancelled, order_placed, order_step, payment_received, routing_key,
+};
 use rabbit_inbox::{
     Consumer, ConsumerConfig, InboxStatus, SchemaName, broker::Broker, broker::OutgoingMessage,
     broker::ParkingLot, broker::QueueDepths, stats::ConsumerStats, stats::StatsSnapshot,
@@ -249,6 +251,32 @@ impl Service {
         .fetch_one(&self.pool)
         .await
         .expect("count")
+    }
+
+    /// The sequence numbers journaled for `aggregate_id`, in the order they were applied.
+    async fn journal(&self, aggregate_id: &str) -> Vec<i64> {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT sequence_number FROM \"{}\".order_journal WHERE aggregate_id = $1 \
+             ORDER BY serial",
+            self.schema
+        )))
+        .bind(aggregate_id)
+        .fetch_all(&self.pool)
+        .await
+        .expect("read journal")
+    }
+
+    /// The error codes of a message's recorded failures, oldest first.
+    async fn failures(&self, message_id: &str) -> Vec<String> {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT error_code FROM \"{}\".inbox_event WHERE message_id = $1 AND kind = 'failed' \
+             ORDER BY event_id",
+            self.schema
+        )))
+        .bind(message_id)
+        .fetch_all(&self.pool)
+        .await
+        .expect("read history")
     }
 
     async fn verify(&self) -> order_service::Verification {
@@ -500,4 +528,98 @@ async fn a_forced_replay_of_a_payment_the_rules_refuse_ends_permanent_failed_and
     let (status, _, paid, _) = svc.order("o1").await.expect("order");
     assert_eq!((status.as_str(), paid), ("PAID", 1000), "paid once");
     assert_eq!(svc.count("payment_history").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordered_steps_apply_once_each_in_order_through_a_retry_and_a_redrive() {
+    let mut svc = Service::new().await;
+    let mut ordering = order_service::ordering();
+    ordering.release_interval = Duration::from_millis(50);
+    svc.config.ordering = Some(ordering);
+    let fault =
+        |step, fault| order_service::set_step_fault(&svc.pool, &svc.schema, "o1", step, fault);
+    fault(2, order_service::StepFault::RetryOnce)
+        .await
+        .expect("fault set");
+    fault(4, order_service::StepFault::Refuse)
+        .await
+        .expect("fault set");
+    // Held before it runs: its first run is a released copy.
+    fault(5, order_service::StepFault::RetryOnce)
+        .await
+        .expect("fault set");
+    let consumer = svc.start();
+    let release = inbox_ops::ReleaseTask::for_consumer(svc.pool.clone(), amqp_url(), &svc.config)
+        .expect("an ordered consumer has a release task");
+    let (stop_release, release_stopped) = tokio::sync::oneshot::channel::<()>();
+    let release = tokio::spawn(release.run(async move {
+        let _ = release_stopped.await;
+    }));
+    for step in 1..=6 {
+        svc.publish(&order_step(&format!("o1-{step}"), "o1", step))
+            .await;
+    }
+    for step in 1..=3 {
+        svc.publish(&order_step(&format!("o2-{step}"), "o2", step))
+            .await;
+    }
+
+    // Step 4 is parked; 5 and 6 wait behind it, while the other order goes on.
+    let refused = svc
+        .wait_for_record("o1-4", "PERMANENT_FAILED", is(InboxStatus::PermanentFailed))
+        .await;
+    assert_eq!(refused.last_error_code.as_deref(), Some("step_refused"));
+    for id in ["o1-5", "o1-6"] {
+        svc.wait_for_record(id, "HELD", is(InboxStatus::Held)).await;
+    }
+    svc.wait_for_record("o2-3", "PROCESSED", is(InboxStatus::Processed))
+        .await;
+    assert_eq!(svc.journal("o1").await, [1, 2, 3]);
+    assert_eq!(svc.journal("o2").await, [1, 2, 3]);
+    assert_eq!(
+        svc.failures("o1-2").await,
+        ["step_not_ready"],
+        "step 2 failed once, then applied on its retry"
+    );
+
+    // The fix, then the redrive: step 4 applies, and the held steps after it, in order.
+    assert!(
+        order_service::clear_step_fault(&svc.pool, &svc.schema, "o1", 4)
+            .await
+            .expect("fault cleared")
+    );
+    wait_for("the refused step in the parking lot", async || {
+        svc.depths().await.parking == 1
+    })
+    .await;
+    let lot = ParkingLot::connect(
+        &amqp_url(),
+        &svc.config.topology.queue,
+        &svc.config.topology.parking_queue,
+    )
+    .await
+    .expect("parking lot");
+    let ops = inbox_ops::Operations::new(svc.pool.clone(), svc.schema.clone());
+    let actor = inbox_ops::Actor::new("alice", "step 4 fixed").expect("valid actor");
+    let request = inbox_ops::redrive::RedriveRequest {
+        message_ids: vec!["o1-4".into()],
+        ..Default::default()
+    };
+    ops.redrive(&lot, &request, Some(&actor), &inbox_ops::NoProgress)
+        .await
+        .expect("redrive");
+    lot.close().await;
+    svc.wait_for_record("o1-6", "PROCESSED", is(InboxStatus::Processed))
+        .await;
+    let _ = stop_release.send(());
+    release.await.expect("release task did not panic");
+    consumer.stop().await;
+
+    assert_eq!(svc.journal("o1").await, [1, 2, 3, 4, 5, 6]);
+    assert_eq!(svc.failures("o1-4").await, ["step_refused"]);
+    assert_eq!(svc.failures("o1-5").await, ["step_not_ready"]);
+    assert_eq!(svc.journal("o2").await, [1, 2, 3]);
+    let v = svc.verify().await;
+    assert_eq!((v.processed, v.parked, v.retryable), (9, 0, 0), "{v:?}");
+    assert_eq!(svc.depths().await, EMPTY);
 }
