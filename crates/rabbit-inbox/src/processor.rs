@@ -753,7 +753,12 @@ impl<H: BatchHandler> Processor<H> {
                 continue;
             }
             // What failed earlier in the round: an ordered key holds what follows it.
-            let failed: Vec<usize> = plan.failed.iter().map(|f| f.index).collect();
+            let failed: Vec<usize> = plan
+                .failed
+                .iter()
+                .filter(|f| !f.invalid && blocks_its_key(&f.code))
+                .map(|f| f.index)
+                .collect();
             match self.transaction(items, &active, mode, &failed, db).await {
                 Ok(done) => self.take_committed(items, done, &mut plan, outcomes),
                 Err(e) => self.replan(e, active, mode, &mut plan, outcomes, db),
@@ -1031,7 +1036,12 @@ impl<H: BatchHandler> Processor<H> {
             let failed: Vec<usize> = failed
                 .iter()
                 .copied()
-                .chain(done.failed.iter().map(|(i, _)| *i))
+                .chain(
+                    done.failed
+                        .iter()
+                        .filter(|(_, e)| blocks_its_key(e.code()))
+                        .map(|(i, _)| *i),
+                )
                 .collect();
             let blamed = match self.apply(items, &group, &failed, tx, copy_locks).await {
                 Ok((decided, t)) => {
@@ -1736,6 +1746,12 @@ impl<H: BatchHandler> Processor<H> {
     }
 }
 
+/// Whether a failure with `code` makes its message its ordering key's head: not a refusal of
+/// its ordering header or of a sequence number the key has passed (those are parked aside).
+fn blocks_its_key(code: &str) -> bool {
+    code != SEQUENCE_PASSED && code != ORDER_HEADER_INVALID
+}
+
 /// Ordered consumers: the keys' locks, the ordering decision, the keys' rows after a run or a
 /// failure (see [`crate::ordering`]).
 impl<H: BatchHandler> Processor<H> {
@@ -1867,6 +1883,7 @@ impl<H: BatchHandler> Processor<H> {
         let mut notes: Vec<(&str, Option<String>, bool)> = Vec::new();
         let mut refused = Vec::new();
         let mut off = HashSet::new();
+        let mut cleared: Vec<KeyAdvance<'_>> = Vec::new();
         for (c, (i, decision)) in candidates.iter().zip(decisions) {
             match decision {
                 Decision::Run { head } => {
@@ -1880,7 +1897,15 @@ impl<H: BatchHandler> Processor<H> {
                     position,
                     behind,
                     gap,
+                    was_head,
                 } => {
+                    if was_head {
+                        cleared.push(KeyAdvance {
+                            key: c.key,
+                            head_ran: Some(c.message_id),
+                            next_sequence: None,
+                        });
+                    }
                     let fresh = triage.run.iter().any(|&(r, _)| r == i);
                     holds.push((i, c.key, position, fresh));
                     // One note per key: one upsert cannot change a row twice.
@@ -1907,6 +1932,11 @@ impl<H: BatchHandler> Processor<H> {
         triage.run.retain(|(i, _)| !off.contains(i));
         triage.reclaim.retain(|i| !off.contains(i));
         triage.first_received.retain(|(i, _)| !off.contains(i));
+        order
+            .ledger
+            .advance(tx, &self.consumer, &cleared)
+            .await
+            .map_err(TxError::from_store)?;
         self.write_holds(order, items, &holds, &notes, tx).await
     }
 
@@ -2015,7 +2045,7 @@ impl<H: BatchHandler> Processor<H> {
         let mut notes: Vec<KeyNote<'_>> = Vec::new();
         let mut failed_rows = Vec::new();
         for f in failures {
-            if f.invalid || f.code == SEQUENCE_PASSED || f.code == ORDER_HEADER_INVALID {
+            if f.invalid || !blocks_its_key(&f.code) {
                 continue;
             }
             let own_row = decided.iter().any(|(i, o)| {

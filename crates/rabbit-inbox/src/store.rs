@@ -471,13 +471,14 @@ mod statements {
     }
 
     /// Rows to hold: a new row (claimed PROCESSED in this transaction, its effect not run)
-    /// gets its body and headers as a failure keeps them; an existing row (a retry behind
-    /// another head) keeps what it has.
+    /// gets its body and headers as a failure keeps them, and no attempt (its first run is
+    /// attempt 1); an existing row (a retry behind another head) keeps what it has.
     pub(super) fn hold(t: &str) -> String {
         let held = InboxStatus::Held.as_str();
         format!(
             "UPDATE {t} AS i SET status = '{held}', processed_at = NULL, \
                order_key = u.key, order_position = u.pos, released_at = NULL, \
+               processing_attempt = CASE WHEN u.fresh THEN 0 ELSE i.processing_attempt END, \
                payload = CASE WHEN u.fresh THEN u.body ELSE i.payload END, \
                payload_key_id = CASE WHEN u.fresh THEN u.key_id ELSE i.payload_key_id END, \
                headers = CASE WHEN u.fresh THEN u.headers ELSE i.headers END \

@@ -32,6 +32,8 @@ pub(crate) struct Candidate<'a> {
 pub(crate) struct KeyState {
     /// The failed or parked message the key waits for.
     pub(crate) head: Option<String>,
+    /// With sequence numbers: the head's number, when its row records one.
+    pub(crate) head_position: Option<i64>,
     /// With sequence numbers: the number the key waits for (`None`: the policy's first).
     pub(crate) next_sequence: Option<i64>,
     /// The position of the key's first HELD row, if any.
@@ -50,6 +52,9 @@ pub(crate) enum Decision {
         position: Option<i64>,
         behind: Option<String>,
         gap: bool,
+        /// The key's head itself, come back before its number's turn: held at its number,
+        /// and the key no longer waits for it.
+        was_head: bool,
     },
     /// A copy of a HELD row whose turn has not come: acked, the row stays HELD.
     StillHeld,
@@ -87,6 +92,12 @@ pub(crate) fn decide(
             Arrival::Fresh => {
                 // A head found failing in this round is recorded with the holds behind it.
                 let behind = round_head.filter(|_| state.head.is_none());
+                // With sequence numbers a head blocks only the numbers after its own.
+                let head = head.filter(|h| {
+                    *h == c.message_id
+                        || !matches!((c.sequence, state.head_position),
+                            (Some(s), Some(hp)) if s == walk.next && s < hp)
+                });
                 walk.fresh(c, head, behind)
             }
         };
@@ -128,10 +139,21 @@ impl Walk {
     /// A new message or a retry of one, under its key's `head` (if any).
     fn fresh(&mut self, c: &Candidate<'_>, head: Option<&str>, behind: Option<&str>) -> Decision {
         if head == Some(c.message_id) {
-            if let Some(s) = c.sequence {
-                self.next = self.next.max(s + 1);
-            }
-            return Decision::Run { head: true };
+            return match c.sequence {
+                // Numbers before it are missing: it waits at its number like any other.
+                Some(s) if s > self.next => Decision::Hold {
+                    position: Some(s),
+                    behind: None,
+                    gap: true,
+                    was_head: true,
+                },
+                Some(s) if s < self.next => passed(s, self.next),
+                Some(s) => {
+                    self.next = s + 1;
+                    Decision::Run { head: true }
+                }
+                None => Decision::Run { head: true },
+            };
         }
         if head.is_some() {
             self.holding = true;
@@ -139,6 +161,7 @@ impl Walk {
                 position: c.sequence,
                 behind: behind.map(str::to_owned),
                 gap: false,
+                was_head: false,
             };
         }
         match c.sequence {
@@ -150,12 +173,14 @@ impl Walk {
                 position: Some(s),
                 behind: None,
                 gap: true,
+                was_head: false,
             },
             Some(s) => passed(s, self.next),
             None if self.holding => Decision::Hold {
                 position: None,
                 behind: None,
                 gap: false,
+                was_head: false,
             },
             None => Decision::Run { head: false },
         }
@@ -204,6 +229,7 @@ mod tests {
             position,
             behind: behind.map(str::to_owned),
             gap,
+            was_head: false,
         }
     }
 
@@ -329,11 +355,53 @@ mod tests {
             "k",
             KeyState {
                 head: Some("h".into()),
+                head_position: None,
                 next_sequence: Some(7),
                 first_held: Some(7),
             },
         )]);
         let d = decide(&[held(0, "b", "k", 7, true)], &blocked, &HashMap::new(), 1);
         assert_eq!(d, vec![(0, Decision::StillHeld)]);
+    }
+
+    #[test]
+    fn with_sequence_numbers_a_head_blocks_only_the_numbers_after_its_own() {
+        let states = HashMap::from([(
+            "k",
+            KeyState {
+                head: Some("h6".into()),
+                head_position: Some(6),
+                next_sequence: Some(5),
+                ..KeyState::default()
+            },
+        )]);
+        // 5 is before the head: it runs; 7 is after: held. The head itself, back from its
+        // retry while 5 was missing, would wait at its number (here 5 ran first in the batch).
+        let d = decide(
+            &[
+                fresh(0, "m5", "k", Some(5)),
+                fresh(1, "m7", "k", Some(7)),
+                fresh(2, "h6", "k", Some(6)),
+            ],
+            &states,
+            &HashMap::new(),
+            1,
+        );
+        assert_eq!(d[0], (0, RUN));
+        assert_eq!(d[1], (1, hold(Some(7), None, false)));
+        assert_eq!(d[2], (2, Decision::Run { head: true }));
+        let early = decide(&[fresh(0, "h6", "k", Some(6))], &states, &HashMap::new(), 1);
+        assert_eq!(
+            early,
+            vec![(
+                0,
+                Decision::Hold {
+                    position: Some(6),
+                    behind: None,
+                    gap: true,
+                    was_head: true
+                }
+            )]
+        );
     }
 }

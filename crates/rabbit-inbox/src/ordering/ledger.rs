@@ -68,7 +68,8 @@ impl OrderLedger {
             schema: schema.clone(),
             load: audited(format!(
                 "SELECT u.key, CASE WHEN h.status = '{processed}' THEN NULL \
-                   ELSE k.head_message_id END AS head_message_id, k.next_sequence, \
+                   ELSE k.head_message_id END AS head_message_id, \
+                   h.order_position AS head_position, k.next_sequence, \
                    (SELECT m.order_position FROM {t} m WHERE m.consumer_name = $1 \
                       AND m.order_key = u.key AND m.status = '{held}' \
                       ORDER BY m.order_position LIMIT 1) AS first_held \
@@ -103,7 +104,8 @@ impl OrderLedger {
                                    ELSE k.blocked_since END, \
                    next_sequence = CASE WHEN u.next IS NULL THEN k.next_sequence \
                                    ELSE greatest(k.next_sequence, u.next) END, \
-                   gap_since = CASE WHEN u.next <= coalesce(k.next_sequence, u.next - 1) \
+                   gap_since = CASE WHEN u.next IS NULL \
+                                    OR u.next <= coalesce(k.next_sequence, u.next - 1) \
                                THEN k.gap_since \
                                WHEN (SELECT m.order_position FROM {t} m \
                                      WHERE m.consumer_name = $1 AND m.order_key = u.key \
@@ -181,6 +183,7 @@ impl OrderLedger {
                 k,
                 KeyState {
                     head: row.try_get("head_message_id")?,
+                    head_position: row.try_get("head_position")?,
                     next_sequence: row.try_get("next_sequence")?,
                     first_held: row.try_get("first_held")?,
                 },
