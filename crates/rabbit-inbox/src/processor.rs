@@ -1811,6 +1811,7 @@ impl<H: BatchHandler> Processor<H> {
             .chain(held.iter().map(|&(i, at, _)| (i, Arrival::HeldCopy(at))));
         let mut candidates = Vec::new();
         let mut refused = Vec::new();
+        let mut unordered = Vec::new();
         for (i, arrival) in arrivals {
             let envelope = &items[i].envelope;
             match Self::order_of(order, envelope) {
@@ -1821,13 +1822,22 @@ impl<H: BatchHandler> Processor<H> {
                     sequence,
                     arrival,
                 }),
-                // No key (a policy changed since it was held): it runs unordered.
-                Ok(None) => {}
+                // No key: not ordered. A held copy without one (the policy changed since it
+                // was held) runs unordered.
+                Ok(None) => {
+                    if let Some(&(_, _, first)) = held.iter().find(|h| h.0 == i) {
+                        unordered.push((i, first));
+                    }
+                }
                 Err(why) => refused.push((i, HandlerError::permanent(ORDER_HEADER_INVALID, why))),
             }
         }
         if !refused.is_empty() {
             return Err(TxError::Handlers(refused));
+        }
+        for (i, first) in unordered {
+            triage.reclaim.push(i);
+            triage.first_received.push((i, first));
         }
         candidates.sort_unstable_by_key(|c| c.index);
         let mut keys: Vec<&str> = candidates.iter().map(|c| c.key).collect();
