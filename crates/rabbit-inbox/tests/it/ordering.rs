@@ -15,6 +15,8 @@ use rabbit_inbox::{
 use serde_json::json;
 use sqlx::PgConnection;
 
+use crate::testing_kit::Scratch;
+
 /// Appends `{"step": n}` to `applied` in the order effects commit; fails as `"fail"` says:
 /// `"first_attempt"` on attempt 1 only, `"permanent"` always.
 struct Journal;
@@ -48,28 +50,11 @@ impl Handler for Journal {
     }
 }
 
-struct Scratch(Option<ScratchSchema>);
-
-impl std::ops::Deref for Scratch {
-    type Target = ScratchSchema;
-    fn deref(&self) -> &ScratchSchema {
-        self.0.as_ref().expect("not removed yet")
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if let Some(scratch) = self.0.take() {
-            drop(inbox_testkit::DropSchemaOnDrop(scratch.name().clone()));
-        }
-    }
-}
-
 async fn scratch() -> Scratch {
     let scratch = ScratchSchema::create(&inbox_testkit::database_url())
         .await
         .expect("the scratch schema is created and migrated");
-    let scratch = Scratch(Some(scratch));
+    let scratch = Scratch::new(scratch);
     scratch
         .execute("CREATE TABLE applied (n BIGSERIAL PRIMARY KEY, aggregate TEXT, step BIGINT)")
         .await

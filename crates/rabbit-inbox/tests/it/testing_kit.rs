@@ -58,7 +58,7 @@ impl Handler for Bookkeeper {
 /// A test's [`ScratchSchema`], removed by [`Scratch::remove`] at its end, or on drop when the
 /// test panics before (from a thread with a runtime and a connection of its own, since the
 /// test's runtime is unwinding).
-struct Scratch(Option<ScratchSchema>);
+pub(crate) struct Scratch(Option<ScratchSchema>);
 
 impl std::ops::Deref for Scratch {
     type Target = ScratchSchema;
@@ -68,6 +68,11 @@ impl std::ops::Deref for Scratch {
 }
 
 impl Scratch {
+    /// Arms the guard over a created schema: dropped with the schema on a panic.
+    pub(crate) fn new(scratch: ScratchSchema) -> Self {
+        Self(Some(scratch))
+    }
+
     async fn remove(mut self) {
         if let Some(scratch) = self.0.take() {
             scratch.remove().await.expect("scratch schema dropped");
