@@ -15,8 +15,9 @@ use crate::{
     actor::Actor, audit::audit, error::OpsError, operations::Operations, sql::sql, text::no_nul,
 };
 use rabbit_inbox::{
-    advisory_lock,
+    SchemaName,
     ledger_sql::{Statuses, tables},
+    ordering::key_lock,
     privacy::open_headers,
     status::InboxStatus,
 };
@@ -197,7 +198,7 @@ impl Operations {
             no_nul("expected head", head)?;
         }
         let mut tx = self.pool.begin().await?;
-        lock_key(&mut tx, self.schema.as_str(), consumer, order_key).await?;
+        lock_key(&mut tx, &self.schema, consumer, order_key).await?;
         let key = self.key_state(&mut tx, consumer, order_key).await?;
         let head = match &key.head {
             Some(id) => Some(self.head_row(&mut tx, consumer, id).await?),
@@ -376,14 +377,14 @@ impl Operations {
 }
 
 /// Takes the key's transaction-scoped lock, the one the consumer's batch transaction takes
-/// before deciding on the key's messages (same parts, same derivation).
+/// before deciding on the key's messages ([`key_lock`]).
 async fn lock_key(
     conn: &mut PgConnection,
-    schema: &str,
+    schema: &SchemaName,
     consumer: &str,
     order_key: &str,
 ) -> Result<(), OpsError> {
-    let lock = advisory_lock::key(&["rabbit-inbox order", schema, consumer, order_key]);
+    let lock = key_lock(schema, consumer, order_key);
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
         .bind(lock)
         .execute(conn)
