@@ -8,6 +8,7 @@ mod baseline;
 pub mod outbox;
 mod procfs;
 pub mod retention;
+pub mod sustained;
 mod workload;
 
 use std::{
@@ -89,7 +90,8 @@ pub struct BenchOptions {
     pub low_load_duration: Duration,
     /// Inbox sizes (rows already present) to measure the batch handler against, besides empty.
     pub prefill: Vec<u64>,
-    /// Which of `ceiling`, `textbook`, `per-message`, `batch`, `per-message-ordered`,
+    /// Which of `ceiling`, `textbook`, `per-message`, `batch`, `per-message-late` (failing
+    /// messages refused in `handle` rather than `check`), `per-message-ordered`,
     /// `batch-ordered` to run (empty: the first four).
     pub modes: Vec<String>,
     /// PostgreSQL schema used (dropped and recreated for every run).
@@ -170,6 +172,8 @@ enum Mode {
     Ceiling,
     Textbook,
     PerMessage,
+    /// The per-message handler refusing failing messages in `handle` instead of `check`.
+    PerMessageLate,
     PerMessageOrdered,
     Batch,
     BatchOrdered,
@@ -178,10 +182,11 @@ enum Mode {
 impl Mode {
     /// In the order they run within a round; an ordered mode right after its twin, so both
     /// meet the same moment of a noisy machine.
-    const ALL: [Mode; 6] = [
+    const ALL: [Mode; 7] = [
         Mode::Ceiling,
         Mode::Textbook,
         Mode::PerMessage,
+        Mode::PerMessageLate,
         Mode::PerMessageOrdered,
         Mode::Batch,
         Mode::BatchOrdered,
@@ -192,6 +197,7 @@ impl Mode {
             Mode::Ceiling => "broker ceiling (consume + multiple-ack, no db)",
             Mode::Textbook => "textbook inbox (1 tx + 1 ack per message)",
             Mode::PerMessage => "rabbit-inbox, per-message handler",
+            Mode::PerMessageLate => "rabbit-inbox, per-message handler, refusing in handle",
             Mode::PerMessageOrdered => "rabbit-inbox, per-message handler, ordered by aggregate",
             Mode::Batch => "rabbit-inbox, batch handler",
             Mode::BatchOrdered => "rabbit-inbox, batch handler, ordered by aggregate",
@@ -203,6 +209,7 @@ impl Mode {
             Mode::Ceiling => "ceiling",
             Mode::Textbook => "textbook",
             Mode::PerMessage => "per-message",
+            Mode::PerMessageLate => "per-message-late",
             Mode::PerMessageOrdered => "per-message-ordered",
             Mode::Batch => "batch",
             Mode::BatchOrdered => "batch-ordered",
@@ -223,6 +230,11 @@ impl Mode {
         }
     }
 
+    /// Measured when `--modes` names none.
+    fn default(self) -> bool {
+        !self.ordered() && self != Mode::PerMessageLate
+    }
+
     /// The modes `options.modes` names (none named: the four unordered ones).
     fn selected(options: &BenchOptions) -> Result<Vec<Mode>, BenchError> {
         if let Some(unknown) = options
@@ -232,14 +244,14 @@ impl Mode {
         {
             return Err(BenchError::Invalid(format!(
                 "unknown mode {unknown}: --modes takes ceiling, textbook, per-message, batch, \
-                 per-message-ordered and batch-ordered"
+                 per-message-late, per-message-ordered and batch-ordered"
             )));
         }
         let modes: Vec<Mode> = Mode::ALL
             .into_iter()
             .filter(|m| {
                 if options.modes.is_empty() {
-                    !m.ordered()
+                    m.default()
                 } else {
                     options.modes.iter().any(|s| s == m.slug())
                 }
@@ -526,7 +538,11 @@ async fn run_once(
             .await?;
             (h.value_at_quantile(0.5), h.value_at_quantile(0.99))
         }
-        Mode::PerMessage | Mode::PerMessageOrdered | Mode::Batch | Mode::BatchOrdered => {
+        Mode::PerMessage
+        | Mode::PerMessageLate
+        | Mode::PerMessageOrdered
+        | Mode::Batch
+        | Mode::BatchOrdered => {
             let mut config = library_config(options);
             config.schema = schema.clone();
             config.topology = topology.clone();
@@ -588,8 +604,12 @@ async fn library(
     let timeout = Duration::from_secs(600);
     let history = History::new(&config.schema);
     let stats = match mode {
-        Mode::PerMessage | Mode::PerMessageOrdered => {
-            let c = Consumer::new(amqp_url, pool.clone(), config, PerMessageEffect(history))?;
+        Mode::PerMessage | Mode::PerMessageLate | Mode::PerMessageOrdered => {
+            let effect = PerMessageEffect {
+                history,
+                late: mode == Mode::PerMessageLate,
+            };
+            let c = Consumer::new(amqp_url, pool.clone(), config, effect)?;
             drive(c, count, timeout, mode.name()).await?
         }
         _ => {

@@ -199,8 +199,12 @@ fn seq_of(msg: &InboxMessage<'_>) -> Result<i64, HandlerError> {
         .ok_or_else(|| HandlerError::permanent("no_seq", "payload has no integer seq"))
 }
 
-/// One statement per message.
-pub(crate) struct PerMessageEffect(pub(crate) History);
+/// One statement per message; messages marked to fail are refused in `check` (before any
+/// effect of their batch), or, with `late`, by `handle` itself.
+pub(crate) struct PerMessageEffect {
+    pub(crate) history: History,
+    pub(crate) late: bool,
+}
 
 impl Handler for PerMessageEffect {
     async fn handle(
@@ -208,10 +212,17 @@ impl Handler for PerMessageEffect {
         msg: &InboxMessage<'_>,
         tx: &mut PgConnection,
     ) -> Result<(), HandlerError> {
-        self.0
+        self.history
             .insert_one(tx, msg.message_id(), seq_of(msg)?)
             .await?;
         Ok(())
+    }
+
+    fn check(&self, msg: &InboxMessage<'_>) -> Result<(), HandlerError> {
+        if self.late {
+            return Ok(());
+        }
+        seq_of(msg).map(|_| ())
     }
 }
 

@@ -56,7 +56,9 @@ pub(crate) struct BenchArgs {
     #[arg(long)]
     prefill: Vec<u64>,
     /// Modes to run, comma-separated: ceiling, textbook, per-message, batch (default: these
-    /// four); per-message-ordered and batch-ordered: the same consumers ordered by aggregate
+    /// four); per-message-late: the per-message handler refusing failing messages in `handle`
+    /// instead of `check` (with --failures, what a refusal after effects costs);
+    /// per-message-ordered and batch-ordered: the same consumers ordered by aggregate
     /// (a failed message holds the rest of its key; the report gives their cost as ratios to
     /// the unordered twins run in the same rounds); and outbox: a plain confirmed publisher
     /// against the outbox relay (NOTIFY, and polling), plus the commit rate of outbox
@@ -82,6 +84,23 @@ pub(crate) struct BenchArgs {
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
+    /// Instead of draining a full queue, find the highest publish rate each library mode
+    /// (per-message and batch, or those --modes names) keeps up with: probes of --probe-secs,
+    /// then a hold of --hold-secs at the rate found. A rate holds when the publisher keeps up,
+    /// the backlog stays under 2 s of publishing after the first tenth of the window, and ends
+    /// under 1 s. Each run starts with a drain run of --messages, for the ratio.
+    #[arg(long)]
+    sustained: bool,
+    /// Sustained: how long the rate found must hold.
+    #[arg(long, default_value_t = 600)]
+    hold_secs: u64,
+    /// Sustained: length of each probe of the search.
+    #[arg(long, default_value_t = 30)]
+    probe_secs: u64,
+    /// Sustained: most probes per search (up 15% while they hold, down 15% while they do not,
+    /// then one bisection).
+    #[arg(long, default_value_t = 6)]
+    probes: usize,
 }
 
 pub(crate) async fn run(servers: &Servers, args: BenchArgs) -> anyhow::Result<ExitCode> {
@@ -148,6 +167,23 @@ pub(crate) async fn run(servers: &Servers, args: BenchArgs) -> anyhow::Result<Ex
         queue_prefix: args.queue_prefix,
         quorum: args.quorum,
     };
+    if args.sustained {
+        let options = inbox_bench::sustained::SustainedOptions {
+            bench: options,
+            hold: Duration::from_secs(args.hold_secs),
+            probe: Duration::from_secs(args.probe_secs),
+            probes: args.probes,
+        };
+        let report = inbox_bench::sustained::run(&servers.amqp_url, &pool, &options, |line| {
+            eprintln!("{line}")
+        })
+        .await?;
+        println!("{report}");
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        }
+        return Ok(verdict(exactly_once && report.exactly_once()));
+    }
     let report = inbox_bench::run(&servers.amqp_url, &pool, &options, |line| {
         eprintln!("{line}")
     })

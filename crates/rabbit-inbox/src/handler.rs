@@ -263,6 +263,18 @@ pub trait Handler: Send + Sync + 'static {
         tx: &mut PgConnection,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
+    /// Refuses a message before any handler of its batch runs: decoding, required fields,
+    /// rules on the payload alone. It gets no connection, so a refusal here has no effect to
+    /// undo: the batch's refusals are all known up front, the batch runs again once without
+    /// them, and they are recorded as failed exactly as a failure of [`Handler::handle`]
+    /// (retryable or permanent) would be. A failure inside `handle` instead rolls back the
+    /// work of the messages before it and runs them again, in groups under savepoints: put
+    /// every refusal that needs no database here. The default accepts every message.
+    fn check(&self, msg: &InboxMessage<'_>) -> Result<(), HandlerError> {
+        let _ = msg;
+        Ok(())
+    }
+
     /// The message types this handler takes, when it knows them (a [`crate::router::Router`]
     /// does). The consumer checks before it connects that each can reach the handler (a
     /// version within [`crate::EnvelopeRules::supported_versions`], a name within the
@@ -339,7 +351,7 @@ pub trait BatchHandler: Send + Sync + 'static {
 }
 
 /// Runs a per-message [`Handler`] over a batch, one message after the other, in one
-/// transaction.
+/// transaction, after [`Handler::check`] has passed every one of them.
 #[derive(Debug)]
 pub struct PerMessage<H>(pub H);
 
@@ -349,6 +361,21 @@ impl<H: Handler> BatchHandler for PerMessage<H> {
         msgs: &[InboxMessage<'_>],
         tx: &mut PgConnection,
     ) -> Result<(), BatchError> {
+        // Every refusal named before any effect: the batch runs again once without them.
+        let refused: Vec<(usize, HandlerError)> = msgs
+            .iter()
+            .enumerate()
+            .filter_map(|(index, msg)| {
+                match std::panic::catch_unwind(AssertUnwindSafe(|| self.0.check(msg))) {
+                    Ok(Ok(())) => None,
+                    Ok(Err(error)) => Some((index, error)),
+                    Err(panic) => Some((index, HandlerError::panicked(&*panic))),
+                }
+            })
+            .collect();
+        if !refused.is_empty() {
+            return Err(BatchError::Messages(refused));
+        }
         for (index, msg) in msgs.iter().enumerate() {
             // A panic is this message's failure; the others of the batch are innocent.
             let error = match AssertUnwindSafe(self.0.handle(msg, tx))

@@ -407,6 +407,11 @@ impl Handler for Router {
         self.routes[route].1.handle_one(msg, tx).await
     }
 
+    /// An unknown type or version is refused before the batch's handlers run.
+    fn check(&self, msg: &InboxMessage<'_>) -> Result<(), HandlerError> {
+        self.route_of(msg).map(|_| ())
+    }
+
     fn message_types(&self) -> Option<MessageTypes> {
         Some(self.types.clone())
     }

@@ -846,3 +846,128 @@ async fn panic_after_an_earlier_failure_is_parked_and_the_rest_processed() {
     assert_eq!(stats.sessions, 1);
     assert_eq!(env.depths(&topology).await, EMPTY);
 }
+
+/// A per-message handler that refuses in `check`: `bad*` permanently, `late*` as retryable on
+/// its first attempt, `boom` by panicking; counts the calls of `handle` per message id.
+#[derive(Clone)]
+struct Checked {
+    schema: SchemaName,
+    handled: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+impl Handler for Checked {
+    async fn handle(
+        &self,
+        msg: &InboxMessage<'_>,
+        tx: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        *self
+            .handled
+            .lock()
+            .expect("lock")
+            .entry(msg.message_id().to_owned())
+            .or_default() += 1;
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO \"{}\".effects (message_id, consumer_name, message_type, attempt, body) \
+             VALUES ($1, 'svc', 'Thing', $2, '')",
+            self.schema
+        )))
+        .bind(msg.message_id())
+        .bind(msg.attempt())
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
+
+    fn check(&self, msg: &InboxMessage<'_>) -> Result<(), HandlerError> {
+        let id = msg.message_id();
+        if id == "boom" {
+            panic!("check cannot cope with boom");
+        }
+        if id.starts_with("bad") {
+            return Err(HandlerError::permanent(
+                "refused",
+                format!("{id} is refused"),
+            ));
+        }
+        if id.starts_with("late") && msg.attempt() < 2 {
+            return Err(HandlerError::retryable(
+                "not_yet",
+                format!("{id} comes back"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_in_check_cost_no_message_a_second_run() {
+    let env = TestEnv::new().await;
+    let mut config = env.config("svc", env.topology("checked"));
+    config.lanes = 1;
+    config.batch_size = 50;
+    config.max_batch_delay = Duration::from_secs(1);
+    config.retry.delays = vec![Duration::from_millis(200)];
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    let ids: Vec<String> = (0..40)
+        .map(|i| match i {
+            7 => "boom".to_owned(),
+            i if i % 5 == 1 => format!("bad{i:02}"),
+            i if i % 9 == 4 => format!("late{i:02}"),
+            i => format!("ok{i:02}"),
+        })
+        .collect();
+    let messages: Vec<OutgoingMessage> = (0..).zip(&ids).map(|(n, id)| thing(id, n)).collect();
+    let pairs: Vec<(&str, &OutgoingMessage)> = messages
+        .iter()
+        .map(|m| (topology.queue.as_str(), m))
+        .collect();
+    env.broker
+        .publish_batch("", &pairs)
+        .await
+        .expect("published");
+    let handler = Checked {
+        schema: env.schema.clone(),
+        handled: Arc::default(),
+    };
+    let consumer = env.start(config, handler.clone());
+    let refused = ids
+        .iter()
+        .filter(|id| id.starts_with("bad") || *id == "boom")
+        .count();
+    let parked = env.take_parked(&topology, refused as u32).await;
+    wait_for(
+        "the rest processed, the late ones on their retry",
+        async || consumer.snapshot().processed as usize == ids.len() - refused,
+    )
+    .await;
+    consumer.stop().await;
+
+    assert_eq!(parked.len(), refused);
+    let handled = handler.handled.lock().expect("lock").clone();
+    for id in &ids {
+        let row = env.record("svc", id).await.expect("row");
+        if id.starts_with("bad") || id == "boom" {
+            // Refused before any effect: handle never ran for it, nothing to undo.
+            assert_eq!(row.status, InboxStatus::PermanentFailed, "{id}");
+            let code = if id == "boom" {
+                HANDLER_PANICKED
+            } else {
+                "refused"
+            };
+            assert_eq!(row.last_error_code.as_deref(), Some(code), "{id}");
+            assert_eq!(env.effects(id).await, 0, "{id}");
+            assert_eq!(handled.get(id), None, "{id}");
+        } else {
+            // The refusals were known before any handler ran: no accepted message's work
+            // was rolled back and run again.
+            assert_eq!(row.status, InboxStatus::Processed, "{id}");
+            assert_eq!(env.effects(id).await, 1, "{id}");
+            assert_eq!(handled.get(id), Some(&1), "{id}: {handled:?}");
+            let attempt = if id.starts_with("late") { 2 } else { 1 };
+            assert_eq!(row.processing_attempt, attempt, "{id}");
+        }
+    }
+    assert_eq!(env.depths(&topology).await, EMPTY);
+}
