@@ -66,7 +66,8 @@ enum Command {
     /// database that every unique message's effect was applied exactly once.
     Demo(demo::DemoArgs),
     /// Measure throughput side by side: the broker ceiling, the textbook inbox recipe, and
-    /// rabbit-inbox with a per-message and a batch handler, each checked for exactly-once.
+    /// rabbit-inbox with a per-message and a batch handler, each checked for exactly-once;
+    /// `--sustained`: the highest publish rate each handler keeps up with for a set time.
     Bench(bench::BenchArgs),
     /// The reliability run: several consumer processes on one queue while consumers are
     /// SIGKILLed and restarted, broker connections are force-closed and PostgreSQL restarts;
