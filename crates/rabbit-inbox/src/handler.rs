@@ -269,7 +269,8 @@ pub trait Handler: Send + Sync + 'static {
     /// them, and they are recorded as failed exactly as a failure of [`Handler::handle`]
     /// (retryable or permanent) would be. A failure inside `handle` instead rolls back the
     /// work of the messages before it and runs them again, in groups under savepoints: put
-    /// every refusal that needs no database here. The default accepts every message.
+    /// every refusal that needs no database here. It runs again whenever the batch does, so
+    /// keep it free of side effects. The default accepts every message.
     fn check(&self, msg: &InboxMessage<'_>) -> Result<(), HandlerError> {
         let _ = msg;
         Ok(())
