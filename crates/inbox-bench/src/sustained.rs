@@ -831,7 +831,10 @@ mod tests {
         );
         options.modes = vec!["ceiling".into()];
         assert!(sustained_modes(&options).is_err());
+        // The ordered modes need aggregate ids to order by.
         options.modes = vec!["batch-ordered".into()];
+        assert!(sustained_modes(&options).is_err());
+        options.keys = 997;
         assert_eq!(
             sustained_modes(&options).expect("named"),
             vec![Mode::BatchOrdered]
