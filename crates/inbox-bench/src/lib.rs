@@ -651,11 +651,22 @@ async fn drive<H: rabbit_inbox::BatchHandler>(
     let task = tokio::spawn(consumer.run(async {
         let _ = stopped.await;
     }));
-    let deadline = Instant::now() + timeout;
-    while stats.settled() < count {
-        if task.is_finished() || Instant::now() > deadline {
-            break;
-        }
+    if !settle_then_stop(&stats, task, stop, count, Instant::now() + timeout).await? {
+        return Err(BenchError::Timeout(name, timeout));
+    }
+    Ok(stats)
+}
+
+/// Waits until the consumer running in `task` has settled `count` deliveries (or ended, or
+/// `deadline` passed), then stops it; whether it got there.
+async fn settle_then_stop(
+    stats: &ConsumerStats,
+    task: tokio::task::JoinHandle<Result<(), rabbit_inbox::ConsumerError>>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    count: u64,
+    deadline: Instant,
+) -> Result<bool, BenchError> {
+    while stats.settled() < count && !task.is_finished() && Instant::now() <= deadline {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let done = stats.settled() >= count;
@@ -664,10 +675,7 @@ async fn drive<H: rabbit_inbox::BatchHandler>(
         Ok(result) => result?,
         Err(e) => return Err(BenchError::Invalid(format!("consumer task failed: {e}"))),
     }
-    if !done {
-        return Err(BenchError::Timeout(name, timeout));
-    }
-    Ok(stats)
+    Ok(done)
 }
 
 /// The batch handler under a steady low rate: latency when batches do not fill up.

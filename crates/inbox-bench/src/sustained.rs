@@ -32,7 +32,7 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 
 use crate::{
     BenchError, BenchOptions, CpuShare, Mode, Target, fresh_topology, library_config, median,
-    procfs, run_once,
+    procfs, run_once, settle_then_stop,
     workload::{self, BatchEffect, History, PerMessageEffect, Workload},
 };
 
@@ -475,16 +475,7 @@ impl Stream<'_> {
         let cpu = procfs::CpuTicks::now().per_thousand(cpu_before, sent as usize);
         // The backlog drains at about the drain rate; a window is never longer than a hold.
         let deadline = Instant::now() + duration * 2 + Duration::from_secs(60);
-        while stats.settled() < sent && Instant::now() < deadline && !consumer_task.is_finished() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let drained = stats.settled() >= sent;
-        let _ = stop.send(());
-        match consumer_task.await {
-            Ok(result) => result?,
-            Err(e) => return Err(BenchError::Invalid(format!("consumer task failed: {e}"))),
-        }
-        if !drained {
+        if !settle_then_stop(&stats, consumer_task, stop, sent, deadline).await? {
             return Err(BenchError::Timeout(self.mode.name(), deadline - started));
         }
         let asked = (rate * duration.as_secs_f64()) as u64;
