@@ -820,6 +820,11 @@ async fn settle(done: Processed, crashed: bool, ctx: &LaneContext, db: &mut Lane
         let unsettled = ctx
             .settler
             .settle_batch(batch, &ctx.stats, async |copies| {
+                // Injected database restart between the copies' confirm and their note.
+                #[cfg(feature = "fault-injection")]
+                if ctx.faults.should_end_session_before_note(&copies) {
+                    db.end_session().await;
+                }
                 db.note_confirmed_copies(store, consumer, &copies).await;
             })
             .await;

@@ -1,19 +1,24 @@
 //! Fault injection for tests and demos (feature `fault-injection`): drop the broker connection
 //! after a batch commits and before it is acked, the crash window the inbox exists for; or when
-//! a given message is received, as a delivery that breaks every session it reaches would.
+//! a given message is received, as a delivery that breaks every session it reaches would; or
+//! end the database session between a copy's confirm and its note on the row.
 
 use std::{
     collections::{HashMap, HashSet},
     sync::{Mutex, PoisonError},
 };
 
-use crate::{processor::Parsed, status::Outcome};
+use crate::{
+    processor::Parsed,
+    status::{ConfirmedCopy, Outcome},
+};
 
 /// Faults a [`crate::Consumer`] injects.
 #[derive(Debug, Default)]
 pub struct FaultPlan {
     drop_after_commit: Mutex<HashSet<String>>,
     drop_on_receipt: Mutex<HashMap<String, u32>>,
+    end_session_before_note: Mutex<HashSet<String>>,
 }
 
 impl FaultPlan {
@@ -42,6 +47,28 @@ impl FaultPlan {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(message_id.into(), times);
+    }
+
+    /// End the lane's database session (as a database restart would) after the broker
+    /// confirmed the retry or parking copy of `message_id` and before the copy is noted on its
+    /// row (once).
+    pub fn end_db_session_before_noting_copy_of(&self, message_id: impl Into<String>) {
+        self.end_session_before_note
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(message_id.into());
+    }
+
+    pub(crate) fn should_end_session_before_note(&self, copies: &[ConfirmedCopy]) -> bool {
+        let mut planned = self
+            .end_session_before_note
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut fire = false;
+        for copy in copies {
+            fire |= planned.remove(&copy.message_id);
+        }
+        fire
     }
 
     pub(crate) fn should_drop_on_receipt(&self, message_id: &str) -> bool {

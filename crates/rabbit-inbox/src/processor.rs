@@ -209,30 +209,93 @@ pub(crate) trait Process: Send + Sync + 'static {
     fn flush_failure_log(&self);
 }
 
+/// How long a lane keeps trying to note confirmed copies on their rows (the database
+/// restarting, say) before it settles their deliveries without the note.
+const NOTE_RETRY_BUDGET: std::time::Duration = std::time::Duration::from_secs(20);
+/// The first wait between two tries at noting; it doubles up to [`NOTE_RETRY_MAX_DELAY`].
+const NOTE_RETRY_DELAY: std::time::Duration = std::time::Duration::from_millis(100);
+const NOTE_RETRY_MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl LaneConnection {
     /// Notes the copies the broker confirmed on their rows (see
-    /// [`InboxStore::note_confirmed_copies`]), in a short transaction of its own. A failure is
-    /// logged and costs only dedup: an unnoted parked copy makes the next copy of its message
-    /// parked again, an unnoted retry copy lets the next copy run before it is due. Nothing is
-    /// lost, so it never holds back the acks.
+    /// [`InboxStore::note_confirmed_copies`]), in a short transaction of its own, before their
+    /// deliveries are acked. A failure (the session or the database went away) is retried on a
+    /// fresh session for up to [`NOTE_RETRY_BUDGET`], the copy locks taken again first: acked
+    /// unnoted, a parked copy would make the next copy of its message a second parked copy,
+    /// and an unnoted retry copy would let the next copy run before it is due. After the
+    /// budget the failure is logged and the deliveries are acked anyway: their copies are in
+    /// the broker, so nothing is lost, only that dedup.
     pub(crate) async fn note_confirmed_copies(
         &mut self,
         store: &InboxStore,
         consumer: &str,
         copies: &[ConfirmedCopy],
     ) {
-        let noted = async {
-            let mut tx = self.begin().await?;
-            store
-                .note_confirmed_copies(&mut tx, consumer, copies)
-                .await?;
-            tx.commit().await?;
-            Ok::<_, StoreError>(())
-        }
-        .await;
-        if let Err(error) = noted {
-            tracing::warn!(%error, copies = copies.len(), "confirmed copies could not be noted on their rows; later copies of those messages will be copied again");
+        let began = std::time::Instant::now();
+        let mut delay = NOTE_RETRY_DELAY;
+        let mut tries = 0u32;
+        loop {
+            tries += 1;
+            // The first try runs on the session that holds the copy locks; a later one on a
+            // new session, which must hold them again while it notes.
+            let error = match self.try_note(store, consumer, copies, tries > 1).await {
+                Ok(()) => {
+                    if tries > 1 {
+                        tracing::info!(
+                            copies = copies.len(),
+                            tries,
+                            "confirmed copies noted on their rows after the database came back"
+                        );
+                    }
+                    return;
+                }
+                Err(error) => error,
+            };
             self.discard();
+            if began.elapsed() + delay > NOTE_RETRY_BUDGET {
+                tracing::warn!(%error, copies = copies.len(), tries, "confirmed copies could not be noted on their rows; their deliveries are acked, and a later copy of those messages will be parked or retried a second time (check the database)");
+                return;
+            }
+            tracing::debug!(%error, retry_in = ?delay, "noting confirmed copies failed; retrying on a new session");
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(NOTE_RETRY_MAX_DELAY);
+        }
+    }
+
+    /// One try at noting `copies`; `relock` takes their copy locks first (a new session).
+    async fn try_note(
+        &mut self,
+        store: &InboxStore,
+        consumer: &str,
+        copies: &[ConfirmedCopy],
+        relock: bool,
+    ) -> Result<(), StoreError> {
+        let copy_locks = self.copy_lock_flag();
+        let mut tx = self.begin().await?;
+        if relock {
+            let ids: Vec<&str> = copies.iter().map(|c| c.message_id.as_str()).collect();
+            if store
+                .try_copy_locks(&mut tx, consumer, &ids)
+                .await?
+                .contains(&true)
+            {
+                copy_locks.store(true, Ordering::Relaxed);
+            }
+        }
+        store
+            .note_confirmed_copies(&mut tx, consumer, copies)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Fault injection: ends this lane's database session as a database restart would.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) async fn end_session(&mut self) {
+        if let Ok(conn) = self.get().await {
+            let _ = sqlx::raw_sql("SELECT pg_terminate_backend(pg_backend_pid())")
+                .execute(conn)
+                .await;
         }
     }
 }

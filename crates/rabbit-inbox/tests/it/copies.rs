@@ -90,6 +90,43 @@ async fn a_parked_message_has_one_copy_in_the_parking_lot() {
     assert_ne!(PAYLOAD_CONFLICT, "test_permanent");
 }
 
+/// The database session ends between the parking lot's confirm and the note on the row (a
+/// database restart, a killed backend): the note is made again on a new session before the
+/// delivery is acked, so a later copy of the message is a duplicate of the parked copy, not a
+/// second parked copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_confirmed_while_the_database_session_ends_is_still_noted() {
+    let env = TestEnv::new().await;
+    let config = env.config("svc", env.topology("park-note-retry"));
+    let topology = config.topology.clone();
+    env.declare(&config).await;
+    let (handler, plan) = env.handler();
+    plan.for_id("p", Rule::Permanent);
+    let consumer = env.start(config, handler);
+    consumer.faults.end_db_session_before_noting_copy_of("p");
+
+    env.publish(&topology, &thing("p", 1)).await;
+    let row = env
+        .wait_for_record("svc", "p", "parked, its copy noted", |r| {
+            r.status == InboxStatus::PermanentFailed && r.parked_copy_at.is_some()
+        })
+        .await;
+    assert_eq!(row.delivery_count, 1, "acked once noted, not redelivered");
+
+    env.publish(&topology, &thing("p", 1)).await;
+    let row = env
+        .wait_for_record("svc", "p", "the copy counted as a duplicate", |r| {
+            r.delivery_count == 2
+        })
+        .await;
+    assert_eq!(row.parked_duplicates, 1, "{row:?}");
+    assert_eq!(env.depths(&topology).await.parking, 1, "one parked copy");
+    assert_eq!(env.calls("svc", "p").await.len(), 1, "the handler ran once");
+    let stats = consumer.stop().await;
+    assert_eq!(stats.parked, 1);
+    assert_eq!(stats.duplicates, 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_of_a_retrying_message_do_not_spend_its_retries() {
     const TIER: Duration = Duration::from_secs(2);
