@@ -290,10 +290,18 @@ mod statements {
     /// Only under the claim's fencing token: a relay whose lease expired and was taken
     /// over changes nothing. `o.seq = ANY($1)` makes the rows' lookup by key the plan
     /// whatever the statistics say; joined on the pending rows' index alone, a planner that
-    /// has not seen a backlog read all of it for every batch settled.
+    /// has not seen a backlog read all of it for every batch settled. With `$10` a sent row
+    /// is deleted instead of marked: a delete writes no new row version and no index entry,
+    /// where marking SENT writes both.
     pub(super) fn settle(t: &str) -> String {
         format!(
-            "UPDATE {t} o SET \
+            "WITH c AS (SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::text[], \
+               $4::text[], $5::text[]) AS c(seq, epoch, kind, code, error)), \
+             deleted AS (DELETE FROM {t} o USING c \
+               WHERE $10 AND c.kind = 'sent' AND o.seq = ANY($1) AND o.seq = c.seq \
+                 AND o.lease_epoch = c.epoch AND o.status = 'PENDING' \
+               RETURNING o.seq), \
+             marked AS (UPDATE {t} o SET \
                status = CASE WHEN c.kind = 'sent' THEN 'SENT' \
                  WHEN c.kind = 'give_up' OR (c.kind = 'charge' AND o.attempts + 1 >= $6) \
                    THEN 'FAILED' ELSE 'PENDING' END, \
@@ -307,11 +315,11 @@ mod statements {
                last_error_code = CASE WHEN c.kind = 'sent' THEN o.last_error_code ELSE c.code END, \
                last_error = CASE WHEN c.kind = 'sent' THEN o.last_error ELSE c.error END, \
                lease_owner = NULL, lease_until = NULL \
-             FROM UNNEST($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[]) \
-               AS c(seq, epoch, kind, code, error) \
-             WHERE o.seq = ANY($1) AND o.seq = c.seq AND o.lease_epoch = c.epoch \
-               AND o.status = 'PENDING' \
-             RETURNING o.seq"
+             FROM c \
+             WHERE NOT ($10 AND c.kind = 'sent') AND o.seq = ANY($1) AND o.seq = c.seq \
+               AND o.lease_epoch = c.epoch AND o.status = 'PENDING' \
+             RETURNING o.seq) \
+             SELECT seq FROM deleted UNION ALL SELECT seq FROM marked"
         )
     }
 
@@ -469,13 +477,15 @@ impl OutboxStore {
         Ok(claimed)
     }
 
-    /// Ends the leases of `settled` (seq, fencing token, how). Returns the seqs it changed; a
-    /// row missing from it was taken over by another relay after its lease expired.
+    /// Ends the leases of `settled` (seq, fencing token, how); a sent row is marked SENT, or
+    /// deleted when `delete_sent`. Returns the seqs it changed; a row missing from it was
+    /// taken over by another relay after its lease expired.
     pub(crate) async fn settle(
         &self,
         conn: &mut PgConnection,
         settled: &[(i64, i64, Settlement)],
         backoff: Backoff,
+        delete_sent: bool,
     ) -> Result<Vec<i64>, StoreError> {
         if settled.is_empty() {
             return Ok(Vec::new());
@@ -512,6 +522,7 @@ impl OutboxStore {
             .bind(millis(backoff.initial))
             .bind(millis(backoff.max))
             .bind(millis(backoff.release_after))
+            .bind(delete_sent)
             .fetch_all(conn)
             .await?;
         Ok(changed)

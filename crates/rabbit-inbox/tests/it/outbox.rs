@@ -358,6 +358,17 @@ async fn plain_enqueue_commits_and_rolls_back_with_its_transaction() {
 
 #[tokio::test]
 async fn a_returned_message_is_a_failure_and_is_published_once_routable() {
+    returned_then_routable(false).await;
+}
+
+/// Deleting sent rows deletes only what was confirmed: a returned or refused row stays, with
+/// its charge, until it goes out or fails.
+#[tokio::test]
+async fn deleting_sent_rows_keeps_the_failed_ones() {
+    returned_then_routable(true).await;
+}
+
+async fn returned_then_routable(delete_on_send: bool) {
     let env = TestEnv::new().await;
     let outbox = Outbox::new(env.schema.clone());
     let store = OutboxStore::new(env.schema.clone());
@@ -386,6 +397,7 @@ async fn a_returned_message_is_a_failure_and_is_published_once_routable() {
         .expect("enqueue");
     let mut config = relay_config(&env);
     config.max_attempts = 3;
+    config.delete_on_send = delete_on_send;
     let relay = RunningRelay::start(&env, config);
 
     // The relay counts the return before it records it on the row: wait for the row.
@@ -453,6 +465,19 @@ async fn a_returned_message_is_a_failure_and_is_published_once_routable() {
     assert!(s.exchange_missing >= 3);
     assert_eq!(s.published, 1);
     assert_eq!(s.fenced, 0);
+    let left: Vec<String> = store
+        .list(&mut conn, &all_statuses, 10)
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|r| r.message_id)
+        .collect();
+    let expected: &[&str] = if delete_on_send {
+        &["no-exchange"]
+    } else {
+        &["unroutable", "no-exchange"]
+    };
+    assert_eq!(left, expected, "rows left after the sent one settled");
 }
 
 #[tokio::test]
@@ -615,6 +640,17 @@ async fn a_republish_after_an_unconfirmed_publish_is_deduped_downstream() {
 
 #[tokio::test]
 async fn rows_of_one_key_are_published_in_commit_order() {
+    publish_in_commit_order(false).await;
+}
+
+/// Deleted when sent, a row's successor finds no earlier row of its key and goes next; order
+/// holds the same, and nothing is left in the table.
+#[tokio::test]
+async fn rows_deleted_on_send_keep_their_keys_order_and_leave_no_row() {
+    publish_in_commit_order(true).await;
+}
+
+async fn publish_in_commit_order(delete_on_send: bool) {
     let env = TestEnv::new().await;
     let downstream = target(&env, "ordered").await;
     let outbox = Outbox::new(env.schema.clone());
@@ -629,6 +665,7 @@ async fn rows_of_one_key_are_published_in_commit_order() {
     const PER_WRITER: usize = 15;
     let mut rc = relay_config(&env);
     rc.batch_size = 16;
+    rc.delete_on_send = delete_on_send;
     let relays: Vec<RunningRelay> = (0..2)
         .map(|i| {
             let mut c = rc.clone();
@@ -683,8 +720,19 @@ async fn rows_of_one_key_are_published_in_commit_order() {
         assert_eq!(n, prev + 1, "key {key}: {n} published after {prev}");
     }
     assert_eq!(last.len(), KEYS);
+    assert_quiet(&env, &downstream.queue, Duration::from_millis(500)).await;
+    let mut sent = 0;
     for r in relays {
-        assert_eq!(r.stop().await.fenced, 0);
+        let stats = r.stop().await;
+        assert_eq!(stats.fenced, 0);
+        sent += stats.published;
+    }
+    assert_eq!(sent, total as u64, "each row settled once");
+    let rows = status_counts(&env).await;
+    if delete_on_send {
+        assert!(rows.is_empty(), "every row deleted once sent: {rows:?}");
+    } else {
+        assert_eq!(rows.get("SENT"), Some(&(total as i64)), "{rows:?}");
     }
 }
 
