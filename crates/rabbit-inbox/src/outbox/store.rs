@@ -263,7 +263,9 @@ mod statements {
     /// earlier row is then SENT too (retention removes only SENT rows).
     /// No read position by seq: a transaction that commits after a later seq is
     /// claimed like any other row, never skipped. SKIP LOCKED and the lease re-check
-    /// on a row another relay just claimed keep two relays from claiming one row.
+    /// on a row another relay just claimed keep two relays from claiming one row. The
+    /// picked rows are updated by key (`seq = ANY`), not joined: a planner that takes the
+    /// table for empty would walk all of it once per picked row.
     pub(super) fn claim(t: &str) -> String {
         format!(
             "WITH picked AS ( \
@@ -278,7 +280,7 @@ mod statements {
                FOR UPDATE OF o SKIP LOCKED) \
              UPDATE {t} o SET lease_owner = $2, lease_epoch = o.lease_epoch + 1, \
                lease_until = now() + $3 * interval '1 millisecond' \
-             FROM picked WHERE o.seq = picked.seq \
+             WHERE o.seq = ANY(ARRAY(SELECT seq FROM picked)) \
              RETURNING o.seq, o.lease_epoch, o.message_id, o.exchange, o.routing_key, \
                o.message_type, o.message_version, o.aggregate_type, o.aggregate_id, \
                o.correlation_id, o.causation_id, o.traceparent, o.tracestate, o.headers, \
@@ -364,6 +366,11 @@ pub struct OutboxStore {
     sql: Arc<Sql>,
 }
 
+/// The relay's own transactions plan with index paths only: an outbox's statistics are
+/// usually those of a nearly empty table, and a plan made for one reads the whole backlog.
+const INDEX_PATHS_ONLY: &str =
+    "BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off";
+
 fn millis(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
@@ -425,11 +432,12 @@ impl OutboxStore {
     ///
     /// The claim must walk the pending rows' index in seq order and stop at `limit`. With
     /// statistics that predate a backlog (an outbox filled faster than autovacuum analyzes
-    /// it), the planner estimates a handful of publishable rows and fetches every pending
-    /// row by bitmap, then sorts: each claim then reads the whole backlog, and draining
-    /// 100,000 rows took minutes instead of seconds. Bitmap scans are off for this one
-    /// statement's transaction (`SET LOCAL`), so the plan is the index walk whatever the
-    /// statistics say.
+    /// it, or vacuumed while it was empty, which an outbox often is), the planner expects a
+    /// handful of rows or none, and fetches every pending row by bitmap or by a sequential
+    /// scan, then sorts: each claim then reads the whole backlog, and draining 100,000 rows
+    /// took minutes instead of seconds (3 s per claim behind a table vacuumed empty). Both
+    /// are off for this one statement's transaction ([`INDEX_PATHS_ONLY`]), so the plan is the
+    /// index walk whatever the statistics say.
     pub(crate) async fn claim(
         &self,
         conn: &mut PgConnection,
@@ -437,9 +445,7 @@ impl OutboxStore {
         limit: usize,
         lease: Duration,
     ) -> Result<Vec<ClaimedRow>, StoreError> {
-        let mut tx = conn
-            .begin_with("BEGIN; SET LOCAL enable_bitmapscan = off")
-            .await?;
+        let mut tx = conn.begin_with(INDEX_PATHS_ONLY).await?;
         let rows = sqlx::query(self.sql.claim.clone())
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .bind(owner)
@@ -512,6 +518,8 @@ impl OutboxStore {
             codes.push(code);
             errors.push(error.map(|e| truncate(e, crate::store::MAX_ERROR_MESSAGE_CHARS)));
         }
+        // Its rows by key, whatever the statistics say (see `claim`).
+        let mut tx = conn.begin_with(INDEX_PATHS_ONLY).await?;
         let changed = sqlx::query_scalar::<_, i64>(self.sql.settle.clone())
             .bind(&seqs)
             .bind(&epochs)
@@ -523,8 +531,9 @@ impl OutboxStore {
             .bind(millis(backoff.max))
             .bind(millis(backoff.release_after))
             .bind(delete_sent)
-            .fetch_all(conn)
+            .fetch_all(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(changed)
     }
 
