@@ -54,8 +54,6 @@ pub struct OutboxOptions {
     pub writers: usize,
     /// Messages enqueued per writer transaction.
     pub per_transaction: usize,
-    /// The relay deletes each row once sent instead of marking it SENT.
-    pub delete_on_send: bool,
     /// Repetitions; the table shows medians.
     pub runs: usize,
     /// Schema (recreated).
@@ -93,8 +91,6 @@ pub struct OutboxReport {
     pub writers: usize,
     /// Messages per transaction.
     pub per_transaction: usize,
-    /// Sent rows deleted instead of marked SENT.
-    pub delete_on_send: bool,
     /// Medians per mode, the baseline first; "writers alone, no relay" is the commit rate of
     /// the NOTIFY mode's writers with no relay running.
     pub modes: Vec<OutboxMode>,
@@ -118,15 +114,8 @@ impl fmt::Display for OutboxReport {
         let base = self.modes.first().map_or(0.0, |m| m.msgs_per_s);
         writeln!(
             f,
-            "outbox: {} messages per mode, {} writers x {} messages per transaction, sent rows {} (medians)",
-            self.messages,
-            self.writers,
-            self.per_transaction,
-            if self.delete_on_send {
-                "deleted"
-            } else {
-                "marked SENT"
-            }
+            "outbox: {} messages per mode, {} writers x {} messages per transaction (medians)",
+            self.messages, self.writers, self.per_transaction
         )?;
         writeln!(
             f,
@@ -434,7 +423,6 @@ async fn through_outbox(
     arrivals: &Arrivals,
 ) -> Result<OutboxMode, BenchError> {
     let mut config = RelayConfig::new(o.schema.clone());
-    config.delete_on_send = o.delete_on_send;
     config.listen = notify;
     config.poll_interval = if notify {
         Duration::from_secs(1)
@@ -503,9 +491,7 @@ async fn writers_then_drain(
         .keys()
         .map(|id| (id.clone(), relay_started))
         .collect();
-    let mut config = RelayConfig::new(o.schema.clone());
-    config.delete_on_send = o.delete_on_send;
-    let relay = RunningRelay::start(amqp_url, pool, config)?;
+    let relay = RunningRelay::start(amqp_url, pool, RelayConfig::new(o.schema.clone()))?;
     await_arrivals(arrivals, handoffs.len()).await?;
     let mut drain = figures(DRAIN_MODE, &handoffs, arrivals);
     // Read before the relay stops; await_arrivals' trailing wait is idle time.
@@ -656,7 +642,6 @@ pub async fn run(
         messages: o.messages,
         writers: o.writers,
         per_transaction: o.per_transaction,
-        delete_on_send: o.delete_on_send,
         modes: runs.into_iter().map(median_mode).collect(),
         commits_per_s_notify: median(with_notify),
         commits_per_s_quiet: median(without),

@@ -71,10 +71,6 @@ pub(crate) struct BenchArgs {
     /// Outbox mode: messages enqueued per transaction.
     #[arg(long, default_value_t = 10)]
     per_transaction: usize,
-    /// Outbox mode: the relay deletes each row once sent instead of marking it SENT
-    /// (`RelayConfig::delete_on_send`).
-    #[arg(long)]
-    delete_on_send: bool,
     /// PostgreSQL schema of the benchmark (recreated for every run).
     #[arg(long, default_value = "inbox_bench")]
     schema: String,
@@ -134,7 +130,6 @@ pub(crate) async fn run(servers: &Servers, args: BenchArgs) -> anyhow::Result<Ex
             payload_size: args.payload_size,
             writers: args.writers,
             per_transaction: args.per_transaction,
-            delete_on_send: args.delete_on_send,
             runs: args.runs,
             schema: SchemaName::new(format!("{}_outbox", args.schema))?,
             queue: "inbox-bench-outbox".into(),

@@ -48,10 +48,6 @@ pub(crate) struct RelayArgs {
     /// Delete SENT rows older than this many hours; 0 keeps them.
     #[arg(long, default_value_t = 168)]
     retention_hours: u64,
-    /// Delete each row once its publish is confirmed instead of marking it SENT: less
-    /// PostgreSQL work per message, no SENT rows left to list.
-    #[arg(long)]
-    delete_on_send: bool,
     /// Serve the relay's metrics (rabbit_inbox_outbox_*: pending, failed, oldest pending age,
     /// publish latency, returns, confirm failures) in the Prometheus text format at
     /// http://ADDR/metrics (e.g. 127.0.0.1:9465).
@@ -78,7 +74,6 @@ impl RelayArgs {
                 || anyhow::anyhow!("--retention-hours {hours} is too large"),
             )?)),
         };
-        c.delete_on_send = self.delete_on_send;
         c.validate()?;
         Ok(c)
     }

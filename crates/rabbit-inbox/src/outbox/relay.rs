@@ -81,12 +81,6 @@ pub struct RelayConfig {
     pub retry_max_delay: Duration,
     /// Delete SENT rows confirmed longer ago than this (`None`: keep them).
     pub retention: Option<Duration>,
-    /// Delete each row in the statement that settles it, once its publish is confirmed,
-    /// instead of marking it SENT (default off). A delete writes no new row version and no
-    /// index entries, so the relay spends less of PostgreSQL per message; the price is that
-    /// no SENT rows are left to list, and a row's id no longer stops a later enqueue of the
-    /// same id (as after `retention`). `retention` then has nothing to do.
-    pub delete_on_send: bool,
     /// How often the relay refreshes its gauges and runs the retention.
     pub maintenance_interval: Duration,
     /// First delay after the database or the broker failed a claim or a batch; doubles up to
@@ -121,7 +115,6 @@ impl RelayConfig {
             retry_initial_delay: Duration::from_secs(1),
             retry_max_delay: Duration::from_secs(300),
             retention: Some(Duration::from_secs(7 * 24 * 3600)),
-            delete_on_send: false,
             maintenance_interval: Duration::from_secs(5),
             reconnect_initial_delay: Duration::from_millis(200),
             reconnect_max_delay: Duration::from_secs(10),
@@ -284,7 +277,7 @@ pub struct RelayStatsSnapshot {
     pub batches: u64,
     /// Rows claimed.
     pub claimed: u64,
-    /// Rows confirmed and marked SENT (or deleted, with `delete_on_send`) by this relay.
+    /// Rows confirmed and marked SENT by this relay.
     pub published: u64,
     /// Publishes the broker returned as unroutable.
     pub returned: u64,
@@ -801,11 +794,7 @@ impl Relay {
                 continue;
             }
             let changed = match self.pool.acquire().await {
-                Ok(mut conn) => {
-                    self.store
-                        .settle(&mut conn, &settled, retry, c.delete_on_send)
-                        .await
-                }
+                Ok(mut conn) => self.store.settle(&mut conn, &settled, retry).await,
                 Err(e) => Err(e.into()),
             };
             drop(place);

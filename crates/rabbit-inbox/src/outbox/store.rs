@@ -292,18 +292,10 @@ mod statements {
     /// Only under the claim's fencing token: a relay whose lease expired and was taken
     /// over changes nothing. `o.seq = ANY($1)` makes the rows' lookup by key the plan
     /// whatever the statistics say; joined on the pending rows' index alone, a planner that
-    /// has not seen a backlog read all of it for every batch settled. With `$10` a sent row
-    /// is deleted instead of marked: a delete writes no new row version and no index entry,
-    /// where marking SENT writes both.
+    /// has not seen a backlog read all of it for every batch settled.
     pub(super) fn settle(t: &str) -> String {
         format!(
-            "WITH c AS (SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::text[], \
-               $4::text[], $5::text[]) AS c(seq, epoch, kind, code, error)), \
-             deleted AS (DELETE FROM {t} o USING c \
-               WHERE $10 AND c.kind = 'sent' AND o.seq = ANY($1) AND o.seq = c.seq \
-                 AND o.lease_epoch = c.epoch AND o.status = 'PENDING' \
-               RETURNING o.seq), \
-             marked AS (UPDATE {t} o SET \
+            "UPDATE {t} o SET \
                status = CASE WHEN c.kind = 'sent' THEN 'SENT' \
                  WHEN c.kind = 'give_up' OR (c.kind = 'charge' AND o.attempts + 1 >= $6) \
                    THEN 'FAILED' ELSE 'PENDING' END, \
@@ -317,11 +309,11 @@ mod statements {
                last_error_code = CASE WHEN c.kind = 'sent' THEN o.last_error_code ELSE c.code END, \
                last_error = CASE WHEN c.kind = 'sent' THEN o.last_error ELSE c.error END, \
                lease_owner = NULL, lease_until = NULL \
-             FROM c \
-             WHERE NOT ($10 AND c.kind = 'sent') AND o.seq = ANY($1) AND o.seq = c.seq \
-               AND o.lease_epoch = c.epoch AND o.status = 'PENDING' \
-             RETURNING o.seq) \
-             SELECT seq FROM deleted UNION ALL SELECT seq FROM marked"
+             FROM UNNEST($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[]) \
+               AS c(seq, epoch, kind, code, error) \
+             WHERE o.seq = ANY($1) AND o.seq = c.seq AND o.lease_epoch = c.epoch \
+               AND o.status = 'PENDING' \
+             RETURNING o.seq"
         )
     }
 
@@ -366,8 +358,8 @@ pub struct OutboxStore {
     sql: Arc<Sql>,
 }
 
-/// The relay's own transactions plan with index paths only: an outbox's statistics are
-/// usually those of a nearly empty table, and a plan made for one reads the whole backlog.
+/// The relay's own transactions plan with index paths only: an outbox is usually nearly
+/// empty when its statements are planned, and a plan made for that reads the whole backlog.
 const INDEX_PATHS_ONLY: &str =
     "BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off";
 
@@ -430,14 +422,13 @@ impl OutboxStore {
 
     /// Claims up to `limit` publishable rows for `owner` for `lease`, in seq order.
     ///
-    /// The claim must walk the pending rows' index in seq order and stop at `limit`. With
-    /// statistics that predate a backlog (an outbox filled faster than autovacuum analyzes
-    /// it, or vacuumed while it was empty, which an outbox often is), the planner expects a
-    /// handful of rows or none, and fetches every pending row by bitmap or by a sequential
-    /// scan, then sorts: each claim then reads the whole backlog, and draining 100,000 rows
-    /// took minutes instead of seconds (3 s per claim behind a table vacuumed empty). Both
-    /// are off for this one statement's transaction ([`INDEX_PATHS_ONLY`]), so the plan is the
-    /// index walk whatever the statistics say.
+    /// The claim must walk the pending rows' index in seq order and stop at `limit`. A plan
+    /// made for a nearly empty outbox (statistics that predate a backlog, or a plan the
+    /// session cached while the relay polled an empty table) fetches every pending row by
+    /// bitmap or by a sequential scan and sorts them: each claim then reads the whole
+    /// backlog, 3 s per claim of 256 rows behind 100,000. Both are off for this one
+    /// statement's transaction ([`INDEX_PATHS_ONLY`]), so the plan is the index walk
+    /// whatever the statistics or the cache hold.
     pub(crate) async fn claim(
         &self,
         conn: &mut PgConnection,
@@ -483,15 +474,13 @@ impl OutboxStore {
         Ok(claimed)
     }
 
-    /// Ends the leases of `settled` (seq, fencing token, how); a sent row is marked SENT, or
-    /// deleted when `delete_sent`. Returns the seqs it changed; a row missing from it was
-    /// taken over by another relay after its lease expired.
+    /// Ends the leases of `settled` (seq, fencing token, how). Returns the seqs it changed; a
+    /// row missing from it was taken over by another relay after its lease expired.
     pub(crate) async fn settle(
         &self,
         conn: &mut PgConnection,
         settled: &[(i64, i64, Settlement)],
         backoff: Backoff,
-        delete_sent: bool,
     ) -> Result<Vec<i64>, StoreError> {
         if settled.is_empty() {
             return Ok(Vec::new());
@@ -530,7 +519,6 @@ impl OutboxStore {
             .bind(millis(backoff.initial))
             .bind(millis(backoff.max))
             .bind(millis(backoff.release_after))
-            .bind(delete_sent)
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
