@@ -1,6 +1,7 @@
 //! A doubling delay after consecutive failures, reset after a success: what the runtime waits
 //! before reconnecting, before requeueing what the database could not record, and before
-//! requeueing copies the broker refused, so that no failure becomes a hot loop.
+//! requeueing copies the broker refused, and before noting confirmed copies again, so that
+//! no failure becomes a hot loop.
 
 use std::{
     sync::{Mutex, PoisonError},

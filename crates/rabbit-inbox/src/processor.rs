@@ -232,7 +232,7 @@ impl LaneConnection {
         copies: &[ConfirmedCopy],
     ) {
         let began = std::time::Instant::now();
-        let mut delay = NOTE_RETRY_DELAY;
+        let backoff = crate::backoff::Backoff::new(NOTE_RETRY_DELAY, NOTE_RETRY_MAX_DELAY);
         let mut tries = 0u32;
         loop {
             tries += 1;
@@ -252,13 +252,13 @@ impl LaneConnection {
                 Err(error) => error,
             };
             self.discard();
+            let delay = backoff.failed();
             if began.elapsed() + delay > NOTE_RETRY_BUDGET {
                 tracing::warn!(%error, copies = copies.len(), tries, "confirmed copies could not be noted on their rows; their deliveries are acked, and a later copy of those messages will be parked or retried a second time (check the database)");
                 return;
             }
             tracing::debug!(%error, retry_in = ?delay, "noting confirmed copies failed; retrying on a new session");
             tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(NOTE_RETRY_MAX_DELAY);
         }
     }
 
