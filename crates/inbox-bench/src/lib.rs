@@ -5,6 +5,7 @@
 //! cost. `inbox-lab bench` is its command line.
 
 mod baseline;
+pub mod ledger_layout;
 pub mod outbox;
 mod procfs;
 pub mod retention;

@@ -23,7 +23,7 @@ use sqlx::{AssertSqlSafe, PgPool};
 
 use crate::BenchError;
 
-const CONSUMER: &str = "retention-bench";
+pub(crate) const CONSUMER: &str = "retention-bench";
 const DAY_SECS: f64 = 86_400.0;
 
 /// What to measure.
@@ -48,7 +48,7 @@ pub struct RetentionBenchOptions {
 }
 
 /// The consumer-like load over one phase.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct LoadFigures {
     /// Claim transactions per second.
     pub tx_per_s: f64,
@@ -136,7 +136,17 @@ pub async fn run(
     let table_mb_before = table_mb(pool, schema).await?;
 
     log("load alone");
-    let load = Load::new(pool.clone(), schema.clone(), options);
+    let load = Load::new(
+        pool.clone(),
+        schema.clone(),
+        LoadShape {
+            rows: options.rows,
+            expired_share: options.expired_share,
+            batch: options.load_batch,
+            workers: options.load_workers,
+        },
+        ClaimPath::Table,
+    );
     let load_alone = load.measure_for(options.baseline).await?;
 
     let (load_during_naive, naive) = if options.naive_batches > 0 {
@@ -318,54 +328,78 @@ impl BatchTimer {
     }
 }
 
+/// The inbox a load claims in, and the load's size.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LoadShape {
+    /// Rows `r1..=rows` filled, oldest first.
+    pub(crate) rows: u64,
+    /// Share of them past the window: duplicates pick from the rest.
+    pub(crate) expired_share: f64,
+    /// Claims per transaction.
+    pub(crate) batch: usize,
+    /// Concurrent transactions.
+    pub(crate) workers: usize,
+}
+
+/// How a load transaction claims its batch.
+#[derive(Clone)]
+pub(crate) enum ClaimPath {
+    /// The library's claim on today's table.
+    Table,
+    /// The partitioned ledger's claim ([`crate::ledger_layout`]).
+    Generations(Arc<crate::ledger_layout::GenerationClaim>),
+}
+
 /// Claim transactions like a consumer's: a batch of new keys plus duplicates of rows inside
 /// the window (which lock those rows, as a real duplicate does).
-struct Load {
+pub(crate) struct Load {
     pool: PgPool,
     schema: SchemaName,
     store: InboxStore,
-    rows: u64,
-    expired_share: f64,
-    batch: usize,
-    workers: usize,
+    shape: LoadShape,
+    path: ClaimPath,
     next: Arc<AtomicU64>,
 }
 
 impl Load {
-    fn new(pool: PgPool, schema: SchemaName, options: &RetentionBenchOptions) -> Self {
+    pub(crate) fn new(pool: PgPool, schema: SchemaName, shape: LoadShape, path: ClaimPath) -> Self {
         Self {
             store: InboxStore::new(schema.clone()),
             pool,
             schema,
-            rows: options.rows,
-            expired_share: options.expired_share,
-            batch: options.load_batch.max(1),
-            workers: options.load_workers.max(1),
+            shape: LoadShape {
+                batch: shape.batch.max(1),
+                workers: shape.workers.max(1),
+                ..shape
+            },
+            path,
             next: Arc::new(AtomicU64::new(0)),
         }
     }
 
-    async fn measure_for(&self, length: Duration) -> Result<LoadFigures, BenchError> {
+    pub(crate) async fn measure_for(&self, length: Duration) -> Result<LoadFigures, BenchError> {
         Ok(self.measure_while(tokio::time::sleep(length)).await?.0)
     }
 
     /// Runs the load until `work` ends; returns the load's figures and `work`'s output.
-    async fn measure_while<T>(
+    pub(crate) async fn measure_while<T>(
         &self,
         work: impl Future<Output = T>,
     ) -> Result<(LoadFigures, T), BenchError> {
         let stop = Arc::new(AtomicBool::new(false));
         let mut workers = tokio::task::JoinSet::new();
-        for w in 0..self.workers {
+        let shape = self.shape;
+        for w in 0..shape.workers {
             let worker = Worker {
                 pool: self.pool.clone(),
                 store: self.store.clone(),
-                batch: self.batch,
+                path: self.path.clone(),
+                batch: shape.batch,
                 next: self.next.clone(),
                 // Duplicates hit the rows inside the window, which cleanup must leave.
                 in_window: (
-                    (self.rows as f64 * self.expired_share) as u64 + 1,
-                    self.rows.max(1),
+                    (shape.rows as f64 * shape.expired_share) as u64 + 1,
+                    shape.rows.max(1),
                 ),
                 seed: w as u64,
             };
@@ -399,7 +433,7 @@ impl Load {
         Ok((
             LoadFigures {
                 tx_per_s: txs as f64 / elapsed,
-                claims_per_s: (txs * self.batch as u64) as f64 / elapsed,
+                claims_per_s: (txs * shape.batch as u64) as f64 / elapsed,
                 p50_ms: ms(histogram.value_at_quantile(0.5)),
                 p99_ms: ms(histogram.value_at_quantile(0.99)),
                 max_ms: ms(histogram.max()),
@@ -434,6 +468,7 @@ async fn sample_lock_waits(pool: &PgPool, pattern: &str, stop: &AtomicBool) -> (
 struct Worker {
     pool: PgPool,
     store: InboxStore,
+    path: ClaimPath,
     batch: usize,
     next: Arc<AtomicU64>,
     in_window: (u64, u64),
@@ -469,16 +504,22 @@ impl Worker {
             let refs: Vec<&Envelope> = envelopes.iter().collect();
             let began = Instant::now();
             let mut tx = self.pool.begin().await?;
-            let claims = self
-                .store
-                .try_claim_many_committing(&mut tx, CONSUMER, &refs, false)
-                .await?;
-            let redeliveries: Vec<Redelivery<'_>> = claims
+            let existing: Vec<String> = match &self.path {
+                ClaimPath::Table => self
+                    .store
+                    .try_claim_many_committing(&mut tx, CONSUMER, &refs, false)
+                    .await?
+                    .iter()
+                    .zip(&envelopes)
+                    .filter(|(c, _)| matches!(c, rabbit_inbox::store::Claim::Existing(_)))
+                    .map(|(_, e)| e.message_id.clone())
+                    .collect(),
+                ClaimPath::Generations(claim) => claim.claim(&mut tx, CONSUMER, &envelopes).await?,
+            };
+            let redeliveries: Vec<Redelivery<'_>> = existing
                 .iter()
-                .zip(&envelopes)
-                .filter(|(c, _)| matches!(c, rabbit_inbox::store::Claim::Existing(_)))
-                .map(|(_, e)| Redelivery {
-                    message_id: &e.message_id,
+                .map(|id| Redelivery {
+                    message_id: id,
                     conflicting_sha256: None,
                     duplicate_of: None,
                 })

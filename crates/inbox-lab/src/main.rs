@@ -4,6 +4,7 @@
 //! Operators use `inboxctl`; this shares its connection flags.
 
 mod bench;
+mod bench_ledger;
 mod bench_retention;
 mod demo;
 mod log_capture;
@@ -85,6 +86,12 @@ enum Command {
     /// plain LIMIT delete loop's per-batch cost for comparison.
     #[command(after_help = "Example:\n  inbox-lab bench-retention --rows 10000000 --batch 5000")]
     BenchRetention(bench_retention::BenchRetentionArgs),
+    /// Measure retention at 100 million rows while a transaction pins the xmin horizon: today's
+    /// ledger (retention deletes rows) against one partitioned by generation (retention drops
+    /// a partition), each under the same claim load; rate, p99, rows removed, dead tuples and
+    /// size before, during and after a snapshot held for ten minutes.
+    #[command(after_help = "Example:\n  inbox-lab bench-ledger --rows 100000000 --pin-secs 600")]
+    BenchLedger(bench_ledger::BenchLedgerArgs),
 }
 
 /// Where the example service lives.
@@ -340,6 +347,7 @@ async fn run(cli: Cli, capture: Option<&log_capture::LogCapture>) -> anyhow::Res
         }
         Command::Soak(args) => soak::run(&servers, args).await,
         Command::BenchRetention(args) => bench_retention::run_bench(&servers, args).await,
+        Command::BenchLedger(args) => bench_ledger::run_bench(&servers, args).await,
     }
 }
 
