@@ -13,7 +13,8 @@
 //! PostgreSQL's unique indexes cannot do there: a shared advisory lock that a rotation takes
 //! exclusively (so no two claims ever insert into different generations at once), then one
 //! `INSERT .. ON CONFLICT` into the current generation, skipping keys any other live generation
-//! holds (one primary-key probe per live partition and key).
+//! holds (one primary-key probe per live partition and key). Before a partition is dropped,
+//! its rows' tombstones are written, as today's retention writes one per removed row.
 
 use std::{
     fmt::Write as _,
@@ -636,6 +637,13 @@ impl Ledger {
             .fetch_one(&mut conn)
             .await?;
             let began = Instant::now();
+            let statements = self.write_tombstones(&mut conn, generation).await?;
+            actions.push(format!(
+                "tombstones for g{generation} ({:.1} M rows) {:.0} s, {statements} statements",
+                f64::from(rows) / 1e6,
+                began.elapsed().as_secs_f64()
+            ));
+            let began = Instant::now();
             let mut tries = 0;
             loop {
                 tries += 1;
@@ -659,13 +667,51 @@ impl Ledger {
             }
             removed.fetch_add(rows.max(0.0) as u64, Ordering::Relaxed);
             actions.push(format!(
-                "drop g{generation} ({:.1} M rows) {:.0} ms, {tries} tries",
-                f64::from(rows) / 1e6,
+                "drop g{generation} {:.0} ms, {tries} tries",
                 began.elapsed().as_secs_f64() * 1e3
             ));
         }
         conn.close().await?;
         Ok(actions)
+    }
+
+    /// What today's retention writes per removed row, a tombstone, for a whole generation
+    /// before its partition goes: `INSERT .. SELECT` over ranges of its blocks (a TID range
+    /// scan each), so no statement runs for minutes.
+    async fn write_tombstones(
+        &self,
+        conn: &mut PgConnection,
+        generation: i64,
+    ) -> Result<u64, BenchError> {
+        const BLOCKS: i64 = 32_768;
+        let s = &self.schema;
+        let partition = format!("\"{s}\".message_inbox_g{generation}");
+        let blocks: i64 = sqlx::query_scalar(
+            "SELECT pg_relation_size($1::regclass) / current_setting('block_size')::int8",
+        )
+        .bind(&partition)
+        .fetch_one(&mut *conn)
+        .await?;
+        let mut statements = 0;
+        let mut start = 0;
+        while start < blocks {
+            let end = start + BLOCKS;
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "INSERT INTO \"{s}\".inbox_tombstone AS x (message_id, consumer_name, \
+                   payload_sha256, final_status, message_type, first_received_at, processed_at) \
+                 SELECT message_id, consumer_name, payload_sha256, status, message_type, \
+                   first_received_at, processed_at FROM {partition} \
+                 WHERE ctid >= '({start},0)'::tid AND ctid < '({end},0)'::tid \
+                 ON CONFLICT (message_id, consumer_name) DO UPDATE SET \
+                   payload_sha256 = EXCLUDED.payload_sha256, \
+                   final_status = EXCLUDED.final_status, removed_at = now()"
+            )))
+            .execute(&mut *conn)
+            .await?;
+            statements += 1;
+            start = end;
+        }
+        Ok(statements)
     }
 }
 
