@@ -127,6 +127,9 @@ pub struct LayoutFigures {
     pub partitions: u64,
     /// The phases in order.
     pub phases: Vec<PhaseFigures>,
+    /// Keys claimed during the run that another generation also holds: a claim that missed a
+    /// live partition (0 unless the partitioned claim is wrong; always 0 for the table).
+    pub keys_in_two_generations: i64,
 }
 
 /// Everything measured.
@@ -243,6 +246,7 @@ async fn run_layout(
     if let Some(cleanup) = cleanup {
         cleanup.abort();
     }
+    let keys_in_two_generations = ledger.keys_in_two_generations(pool).await?;
     Ok(LayoutFigures {
         layout,
         rows: options.rows,
@@ -250,6 +254,7 @@ async fn run_layout(
         fill_secs,
         partitions,
         phases,
+        keys_in_two_generations,
     })
 }
 
@@ -467,6 +472,22 @@ impl Ledger {
             .execute(&mut *conn)
             .await?;
         Ok(())
+    }
+
+    /// Rows the run's generations hold whose key another generation holds too.
+    async fn keys_in_two_generations(&self, pool: &PgPool) -> Result<i64, BenchError> {
+        if self.layout == LedgerLayout::Table {
+            return Ok(0);
+        }
+        let t = self.t();
+        Ok(sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {t} n WHERE n.generation > {} AND EXISTS (SELECT 1 FROM {t} o \
+               WHERE o.message_id = n.message_id AND o.consumer_name = n.consumer_name \
+                 AND o.generation <> n.generation)",
+            self.newest_filled
+        )))
+        .fetch_one(pool)
+        .await?)
     }
 
     /// Partitions a claim probes.
@@ -796,8 +817,8 @@ impl LedgerBenchResult {
             writeln!(
                 out,
                 "{:?}: {} rows ({} past the window), filled and indexed in {:.0} s; \
-                 a claim probes {} partition(s)",
-                l.layout, l.rows, l.expired, l.fill_secs, l.partitions
+                 a claim probes {} partition(s); keys in two generations: {}",
+                l.layout, l.rows, l.expired, l.fill_secs, l.partitions, l.keys_in_two_generations
             )
             .ok();
             out += "  phase        secs   tx/s  claims/s  x alone  p50 ms  p99 ms  max ms  \

@@ -2,6 +2,7 @@
 //! the operator tool (`inboxctl relay`, `serve`, `status`) as separate processes, against the
 //! real servers.
 
+mod bench_ledger;
 mod bench_sustained;
 mod bins;
 mod metrics_endpoint;
