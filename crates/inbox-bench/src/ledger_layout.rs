@@ -555,7 +555,9 @@ impl Ledger {
                 sqlx::raw_sql(AssertSqlSafe(format!("VACUUM {}", self.t())))
                     .execute(pool)
                     .await?;
-                actions.push(format!("VACUUM {:.1} s", vacuum.elapsed().as_secs_f64()));
+                let secs = vacuum.elapsed().as_secs_f64();
+                let (dead, _) = self.dead_tuples_and_bytes(pool).await?;
+                actions.push(format!("VACUUM {secs:.1} s, {dead} dead tuples just after"));
                 if self.layout == LedgerLayout::Generations {
                     actions.extend(self.rotate_and_drop(pool, removed).await?);
                 }
@@ -584,18 +586,7 @@ impl Ledger {
         rows_removed: u64,
         actions: Vec<String>,
     ) -> Result<PhaseFigures, BenchError> {
-        // Statistics reach the shared counters within a second of a transaction's end.
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        let (dead_tuples, bytes): (i64, i64) = sqlx::query_as(
-            "SELECT coalesce(sum(s.n_dead_tup), 0)::int8, \
-               coalesce(sum(pg_total_relation_size(s.relid)), 0)::int8 \
-             FROM pg_stat_user_tables s \
-             WHERE s.schemaname = $1 AND (s.relname = 'message_inbox' \
-               OR s.relname LIKE 'message\\_inbox\\_g%')",
-        )
-        .bind(self.schema.as_str())
-        .fetch_one(pool)
-        .await?;
+        let (dead_tuples, bytes) = self.dead_tuples_and_bytes(pool).await?;
         Ok(PhaseFigures {
             name,
             secs: began.elapsed().as_secs_f64(),
@@ -605,6 +596,22 @@ impl Ledger {
             ledger_mb: bytes as f64 / 1e6,
             actions,
         })
+    }
+
+    /// Dead tuples (statistics) and bytes of the ledger and its partitions.
+    async fn dead_tuples_and_bytes(&self, pool: &PgPool) -> Result<(i64, i64), BenchError> {
+        // Statistics reach the shared counters within a second of a transaction's end.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        Ok(sqlx::query_as(
+            "SELECT coalesce(sum(s.n_dead_tup), 0)::int8, \
+               coalesce(sum(pg_total_relation_size(s.relid)), 0)::int8 \
+             FROM pg_stat_user_tables s \
+             WHERE s.schemaname = $1 AND (s.relname = 'message_inbox' \
+               OR s.relname LIKE 'message\\_inbox\\_g%')",
+        )
+        .bind(self.schema.as_str())
+        .fetch_one(pool)
+        .await?)
     }
 
     /// A rotation (a new generation becomes the one claims insert into), then the drop of the
