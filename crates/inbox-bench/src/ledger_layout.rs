@@ -208,7 +208,6 @@ async fn run_layout(
     );
     // Today's retention runs through the three phases that follow, as a retention task behind
     // on a large backlog would; the partitioned one acts once per phase.
-
     let cleanup = (layout == LedgerLayout::Table).then(|| {
         let ops = Operations::new(pool.clone(), schema.clone());
         let request = CleanupRequest::new(
@@ -221,7 +220,9 @@ async fn run_layout(
             RetryPolicy::default(),
         );
         let counter = RowCounter(removed.clone());
-        tokio::spawn(async move { ops.cleanup(&request, &counter).await })
+        Background(tokio::spawn(async move {
+            ops.cleanup(&request, &counter).await.map(drop)
+        }))
     });
     log(&format!("{layout:?}: load beside retention"));
     phases.push(
@@ -244,7 +245,7 @@ async fn run_layout(
     ));
     phases.push(ledger.after(pool, &load, options.phase, &removed).await?);
     if let Some(cleanup) = cleanup {
-        cleanup.abort();
+        cleanup.stop().await?;
     }
     let keys_in_two_generations = ledger.keys_in_two_generations(pool).await?;
     Ok(LayoutFigures {
@@ -256,6 +257,29 @@ async fn run_layout(
         phases,
         keys_in_two_generations,
     })
+}
+
+/// The table layout's cleanup, aborted when dropped (also when a phase fails), so it never
+/// outlives its layout's schema.
+struct Background(tokio::task::JoinHandle<Result<(), inbox_ops::OpsError>>);
+
+impl Background {
+    /// Ends it; an error it ended with (a refused or failed cleanup) is the run's.
+    async fn stop(mut self) -> Result<(), BenchError> {
+        if !self.0.is_finished() {
+            return Ok(());
+        }
+        (&mut self.0)
+            .await
+            .map_err(|e| BenchError::Invalid(e.to_string()))?
+            .map_err(|e| BenchError::Invalid(format!("cleanup failed: {e}")))
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Counts the rows a cleanup reports.
