@@ -27,7 +27,9 @@ use std::{
 };
 
 use inbox_ops::{Operations, Progress, retention::CleanupRequest};
-use rabbit_inbox::{Envelope, RetryPolicy, SchemaName, retention::RetentionPolicy};
+use rabbit_inbox::{
+    Envelope, RetryPolicy, SchemaName, ledger_sql::PROCESSED, retention::RetentionPolicy,
+};
 use serde::Serialize;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 
@@ -376,45 +378,25 @@ impl Ledger {
                 )))
                 .execute(&mut conn)
                 .await?;
-                String::new()
+                None
             }
             LedgerLayout::Generations => {
                 self.partition(&mut conn).await?;
-                format!(
-                    ", {} - floor(extract(epoch FROM now() - x.t) / {})::int8",
+                Some(format!(
+                    "{} - floor(extract(epoch FROM now() - x.t) / {})::int8",
                     self.newest_filled,
                     self.generation_days * DAY_SECS
-                )
+                ))
             }
         };
-        let generation_column = if generation.is_empty() {
-            ""
-        } else {
-            ", generation"
-        };
-        let chunk = 1_000_000u64;
-        let mut done = 0;
-        while done < self.rows {
-            let n = chunk.min(self.rows - done);
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {t} (message_id, consumer_name, message_type, message_version, \
-                   status, processing_attempt, first_received_at, processed_at, \
-                   payload_sha256{generation_column}) \
-                 SELECT 'r' || g, $1, 'BenchEvent', 1, 'PROCESSED', 1, x.t, x.t, \
-                   sha256(g::text::bytea){generation} \
-                 FROM generate_series($2::int8, $3::int8) AS g, \
-                   LATERAL (SELECT now() - make_interval(secs => $5 * (1 - g::float8 / $4))) \
-                     AS x(t)"
-            )))
-            .bind(crate::retention::CONSUMER)
-            .bind(i64::try_from(done + 1).unwrap_or(i64::MAX))
-            .bind(i64::try_from(done + n).unwrap_or(i64::MAX))
-            .bind(self.rows as f64)
-            .bind(self.span_days * DAY_SECS)
-            .execute(&mut conn)
-            .await?;
-            done += n;
-        }
+        crate::retention::insert_processed(
+            &mut conn,
+            &t,
+            self.rows,
+            self.span_days,
+            generation.as_deref(),
+        )
+        .await?;
         let key = match self.layout {
             LedgerLayout::Table => "message_id, consumer_name",
             LedgerLayout::Generations => "message_id, consumer_name, generation",
@@ -783,7 +765,7 @@ impl GenerationClaim {
                  ins AS (INSERT INTO {t} (generation, message_id, consumer_name, message_type, \
                    message_version, status, processing_attempt, processing_started_at, \
                    processed_at, payload_sha256) \
-                 SELECT cur.generation, u.id, $1, 'BenchEvent', 1, 'PROCESSED', 1, now(), now(), \
+                 SELECT cur.generation, u.id, $1, 'BenchEvent', 1, {PROCESSED}, 1, now(), now(), \
                    u.sha \
                  FROM cur, UNNEST($2::text[], $3::bytea[]) AS u(id, sha) \
                  WHERE NOT EXISTS (SELECT 1 FROM {t} o WHERE o.consumer_name = $1 \

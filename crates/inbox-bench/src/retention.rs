@@ -19,7 +19,7 @@ use rabbit_inbox::{
     retention::RetentionPolicy, store::InboxStore, store::Redelivery,
 };
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 
 use crate::BenchError;
 
@@ -214,27 +214,16 @@ async fn fill(
     options: &RetentionBenchOptions,
 ) -> Result<(), sqlx::Error> {
     let span_days = 30.0 / (1.0 - options.expired_share.clamp(0.0, 0.95));
-    let chunk = 500_000u64;
-    let mut done = 0;
-    while done < options.rows {
-        let n = chunk.min(options.rows - done);
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO \"{schema}\".message_inbox (message_id, consumer_name, message_type, \
-               message_version, status, processing_attempt, first_received_at, processed_at, \
-               payload_sha256) \
-             SELECT 'r' || g, $1, 'BenchEvent', 1, {PROCESSED}, 1, t, t, sha256(g::text::bytea) \
-             FROM generate_series($2::int8, $3::int8) AS g, \
-               LATERAL (SELECT now() - make_interval(secs => $5 * (1 - g::float8 / $4))) AS x(t)"
-        )))
-        .bind(CONSUMER)
-        .bind(i64::try_from(done + 1).unwrap_or(i64::MAX))
-        .bind(i64::try_from(done + n).unwrap_or(i64::MAX))
-        .bind(options.rows as f64)
-        .bind(span_days * DAY_SECS)
-        .execute(pool)
-        .await?;
-        done += n;
-    }
+    let mut conn = pool.acquire().await?;
+    insert_processed(
+        &mut conn,
+        &format!("\"{schema}\".message_inbox"),
+        options.rows,
+        span_days,
+        None,
+    )
+    .await?;
+    drop(conn);
     sqlx::raw_sql(AssertSqlSafe(format!(
         "VACUUM ANALYZE \"{schema}\".message_inbox"
     )))
@@ -242,6 +231,43 @@ async fn fill(
     .await?;
     if let Err(e) = sqlx::raw_sql("CHECKPOINT").execute(pool).await {
         tracing::warn!("CHECKPOINT after the fill failed: {e}");
+    }
+    Ok(())
+}
+
+/// Inserts PROCESSED rows `r1..=rows` into `table`, oldest first, evenly over the `span_days`
+/// up to now, in chunks of a million so no statement runs for minutes. `generation`: an extra
+/// `generation` column's value, an SQL expression over the row's time `x.t`.
+pub(crate) async fn insert_processed(
+    conn: &mut PgConnection,
+    table: &str,
+    rows: u64,
+    span_days: f64,
+    generation: Option<&str>,
+) -> Result<(), sqlx::Error> {
+    let (column, value) = generation.map_or((String::new(), String::new()), |g| {
+        (", generation".to_owned(), format!(", {g}"))
+    });
+    let chunk = 1_000_000u64;
+    let mut done = 0;
+    while done < rows {
+        let n = chunk.min(rows - done);
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {table} (message_id, consumer_name, message_type, message_version, \
+               status, processing_attempt, first_received_at, processed_at, payload_sha256{column}) \
+             SELECT 'r' || g, $1, 'BenchEvent', 1, {PROCESSED}, 1, x.t, x.t, \
+               sha256(g::text::bytea){value} \
+             FROM generate_series($2::int8, $3::int8) AS g, \
+               LATERAL (SELECT now() - make_interval(secs => $5 * (1 - g::float8 / $4))) AS x(t)"
+        )))
+        .bind(CONSUMER)
+        .bind(i64::try_from(done + 1).unwrap_or(i64::MAX))
+        .bind(i64::try_from(done + n).unwrap_or(i64::MAX))
+        .bind(rows as f64)
+        .bind(span_days * DAY_SECS)
+        .execute(&mut *conn)
+        .await?;
+        done += n;
     }
     Ok(())
 }
