@@ -229,7 +229,7 @@ async fn run_layout(
     log(&format!("{layout:?}: load beside retention"));
     phases.push(
         ledger
-            .phase(pool, &load, "retention", options.phase, &removed)
+            .phase(pool, &load, "retention", options.phase, &removed, false)
             .await?,
     );
     log(&format!(
@@ -238,14 +238,18 @@ async fn run_layout(
     ));
     let pin = Pin::take(pool).await?;
     let pinned = ledger
-        .phase(pool, &load, "pinned", options.pin, &removed)
+        .phase(pool, &load, "pinned", options.pin, &removed, false)
         .await;
     pin.release().await?;
     phases.push(pinned?);
     log(&format!(
         "{layout:?}: snapshot released, VACUUM beside the load"
     ));
-    phases.push(ledger.after(pool, &load, options.phase, &removed).await?);
+    phases.push(
+        ledger
+            .phase(pool, &load, "after", options.phase, &removed, true)
+            .await?,
+    );
     if let Some(cleanup) = cleanup {
         cleanup.stop().await?;
     }
@@ -509,7 +513,9 @@ impl Ledger {
         Ok(n.unsigned_abs())
     }
 
-    /// The load for `length`; the partitioned ledger's retention acts a third of the way in.
+    /// The load for `length`. With `vacuum_first` a `VACUUM` of the ledger runs first and the
+    /// partitioned ledger's retention acts right after it; otherwise that retention acts a third
+    /// of the way in.
     async fn phase(
         &self,
         pool: &PgPool,
@@ -517,53 +523,24 @@ impl Ledger {
         name: &'static str,
         length: Duration,
         removed: &AtomicU64,
+        vacuum_first: bool,
     ) -> Result<PhaseFigures, BenchError> {
         let before = removed.load(Ordering::Relaxed);
         let began = Instant::now();
         let (figures, actions) = load
             .measure_while(async {
                 let mut actions = Vec::new();
-                if self.layout == LedgerLayout::Generations {
+                if vacuum_first {
+                    let vacuum = Instant::now();
+                    sqlx::raw_sql(AssertSqlSafe(format!("VACUUM {}", self.t())))
+                        .execute(pool)
+                        .await?;
+                    let secs = vacuum.elapsed().as_secs_f64();
+                    let (dead, _) = self.dead_tuples_and_bytes(pool).await?;
+                    actions.push(format!("VACUUM {secs:.1} s, {dead} dead tuples just after"));
+                } else if self.layout == LedgerLayout::Generations {
                     tokio::time::sleep(length / 3).await;
-                    actions = self.rotate_and_drop(pool, removed).await?;
                 }
-                tokio::time::sleep(length.saturating_sub(began.elapsed())).await;
-                Ok::<_, BenchError>(actions)
-            })
-            .await?;
-        let actions = actions?;
-        self.figures(
-            pool,
-            name,
-            began,
-            figures,
-            removed.load(Ordering::Relaxed) - before,
-            actions,
-        )
-        .await
-    }
-
-    /// After the pin: `VACUUM` of the ledger beside the load, and the load for at least
-    /// `length` in all.
-    async fn after(
-        &self,
-        pool: &PgPool,
-        load: &Load,
-        length: Duration,
-        removed: &AtomicU64,
-    ) -> Result<PhaseFigures, BenchError> {
-        let before = removed.load(Ordering::Relaxed);
-        let began = Instant::now();
-        let (figures, actions) = load
-            .measure_while(async {
-                let mut actions = Vec::new();
-                let vacuum = Instant::now();
-                sqlx::raw_sql(AssertSqlSafe(format!("VACUUM {}", self.t())))
-                    .execute(pool)
-                    .await?;
-                let secs = vacuum.elapsed().as_secs_f64();
-                let (dead, _) = self.dead_tuples_and_bytes(pool).await?;
-                actions.push(format!("VACUUM {secs:.1} s, {dead} dead tuples just after"));
                 if self.layout == LedgerLayout::Generations {
                     actions.extend(self.rotate_and_drop(pool, removed).await?);
                 }
@@ -574,7 +551,7 @@ impl Ledger {
         let actions = actions?;
         self.figures(
             pool,
-            "after",
+            name,
             began,
             figures,
             removed.load(Ordering::Relaxed) - before,
